@@ -1,0 +1,46 @@
+"""Flags and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+from decoderlm.sampling import SamplingParams
+from decoderlm.tokenizer import StreamDecoder
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the checkpoint's, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:
+    """Flags override the checkpoint's defaults (generation_config), which override ours."""
+    values = dict(defaults or {})
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=list(stop_token_ids or []), **values)
+
+
+def print_stream(tokenizer, tokens: Iterator[int]) -> str:
+    """Print text as tokens arrive (never half a character); return the whole text."""
+    decoder, parts = StreamDecoder(tokenizer), []
+    for tok in tokens:
+        piece = decoder.push(tok)
+        if piece:
+            parts.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    tail = decoder.flush()
+    parts.append(tail)
+    sys.stdout.write(tail + "\n")
+    sys.stdout.flush()
+    return "".join(parts)

@@ -1,0 +1,130 @@
+"""One `ModelConfig` for every decoder-only family, plus named presets.
+
+A family (GPT-2, Llama, Qwen, Mistral, Mixtral, ...) is a set of values for these fields and a
+weight-name table in `decoderlm.formats`; the model code is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decoderlm.errors import DecoderLMError
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None → n_heads (MHA); 1 → MQA; in between → GQA
+    head_dim: int | None = None  # None → d_model // n_heads
+    ffn_hidden: int | None = None  # None → 4·d_model (or ≈ 8/3·d_model for gated MLPs)
+    max_seq_len: int = 2048
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated
+    mlp: str = "swiglu"
+    attn_bias: bool = False  # bias on q/k/v projections
+    attn_out_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    norm_bias: bool = True  # LayerNorm only
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    # Family-specific mechanisms (defaults switch them off).
+    sliding_window: int | None = None  # attend to at most this many most recent keys
+    qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
+    n_experts: int = 0  # > 0 → sparse MoE FFN (Mixtral)
+    n_experts_per_tok: int = 2
+    moe_hidden: int | None = None  # per-expert hidden size (None → ffn_hidden)
+    moe_renormalize: bool = True  # softmax over the chosen experts only (Mixtral)
+    embed_scale: float = 1.0  # multiply token embeddings (Gemma: sqrt(d_model))
+    norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
+    post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
+    family: str = "custom"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise DecoderLMError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
+            self.head_dim = self.d_model // self.n_heads
+        if self.ffn_hidden is None:
+            gated = self.mlp in ("swiglu", "geglu")
+            self.ffn_hidden = llama_hidden(self.d_model) if gated else 4 * self.d_model
+        self.validate()
+
+    def validate(self) -> None:
+        for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS)):
+            if value not in allowed:
+                raise DecoderLMError(f"config {name}={value!r} is not supported; use one of {', '.join(allowed)}")
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "max_seq_len"):
+            if int(getattr(self, name)) <= 0:
+                raise DecoderLMError(f"config {name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise DecoderLMError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise DecoderLMError(f"n_experts_per_tok must be in 1..{self.n_experts}")
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per K/V head: 1 for MHA, n_heads for MQA."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DecoderLMError(f"unknown ModelConfig fields: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise DecoderLMError(f"cannot read config {path}: {e}") from None
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in PRESETS:
+            raise DecoderLMError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def llama_hidden(d_model: int, multiple_of: int = 256) -> int:
+    """SwiGLU hidden size: 8/3·d (keeps the parameter count of a 4·d MLP), rounded up."""
+    hidden = int(8 * d_model / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+GPT2 = dict(norm="layernorm", position="learned", mlp="gelu_tanh", attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True, family="gpt2")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # nanoGPT's char-level Shakespeare model for CPUs.
+    "seed-char": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, norm="layernorm", position="learned", mlp="gelu", attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True, family="gpt2"),
+    "gpt2-124m": dict(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, max_seq_len=1024, norm_eps=1e-5, **GPT2),
+    "llama-tiny": dict(vocab_size=32000, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama"),
+    "llama-3.1-8b": dict(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, family="llama"),
+    "smollm2-135m": dict(vocab_size=49152, n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, ffn_hidden=1536, max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True, family="llama"),
+}

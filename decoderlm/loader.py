@@ -1,0 +1,55 @@
+"""`load(source)`: one place that turns what a user names into (model, tokenizer).
+
+A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a `.gguf`
+file, or a known name (see `decoderlm.names`). Each format's reader lives in `decoderlm.formats`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.model import Transformer
+from decoderlm.train import checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise DecoderLMError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A path as given, or the file a known name stands for."""
+    from decoderlm import names
+
+    path = Path(source)
+    if path.exists():
+        return path
+    if str(source) in names.KNOWN:
+        return names.locate(str(source))
+    raise DecoderLMError(f"model {source!s} not found: give a run folder, an HF folder, a .gguf file, or a known name ({', '.join(names.KNOWN)})")
+
+
+def load(source: str | Path, dtype: str | torch.dtype = "float32") -> tuple[Transformer, object]:
+    """(model in eval mode, tokenizer) from any source decoderlm understands."""
+    torch_dtype = resolve_dtype(dtype)
+    path = resolve_source(source)
+    if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
+        model, tokenizer = checkpoint.load_model(path)
+        return model.to(torch_dtype), tokenizer
+    if path.is_dir() and (path / "config.json").is_file():
+        from decoderlm.formats.hf import load_hf
+
+        return load_hf(path, torch_dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        from decoderlm.formats.gguf import load_gguf
+
+        return load_gguf(path, torch_dtype)
+    raise DecoderLMError(f"{source} is not a model decoderlm can load: expected a run folder (ckpt.pt), an HF folder (config.json + *.safetensors) or a .gguf file")

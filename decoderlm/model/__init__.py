@@ -1,0 +1,5 @@
+"""The decoder-only Transformer, one module per mechanism."""
+
+from decoderlm.model.transformer import ModelOutput, Transformer
+
+__all__ = ["ModelOutput", "Transformer"]

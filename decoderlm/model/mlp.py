@@ -1,0 +1,38 @@
+"""The position-wise feed-forward network (FFN) of each block.
+
+Plain MLP (GPT-2): down(act(up(x))). Gated MLP (Llama's SwiGLU, Gemma's GeGLU):
+down(act(gate(x)) · up(x)) — a third matrix, which is why its hidden size is ≈ 8/3·d instead of 4·d.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoderlm.config import ModelConfig
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "swiglu": F.silu,
+    "geglu": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, hidden: int | None = None, bias: bool | None = None) -> None:
+        super().__init__()
+        hidden = hidden or config.ffn_hidden
+        bias = config.mlp_bias if bias is None else bias
+        self.gated = config.mlp in ("swiglu", "geglu")
+        self.act = ACTIVATIONS[config.mlp]
+        self.gate_proj = nn.Linear(config.d_model, hidden, bias=bias) if self.gated else None
+        self.up_proj = nn.Linear(config.d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, config.d_model, bias=bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
+        return self.dropout(self.down_proj(h))

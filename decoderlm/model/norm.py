@@ -1,0 +1,30 @@
+"""Normalization layers: LayerNorm (GPT-2) and RMSNorm (Llama and most later families)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decoderlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · (offset + w), computed in fp32 for stability (offset is 1 for Gemma)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or config.d_model
+    if config.norm == "layernorm":
+        return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
+    return RMSNorm(dim, config.norm_eps, config.norm_offset)

@@ -1,0 +1,56 @@
+"""Rotary position embedding (RoPE): rotate pairs of query/key channels by position-dependent angles.
+
+Channel i is paired with channel i + rot_dim/2 (the "rotate half" layout HF checkpoints use) and
+rotated by angle pos · θ^(-2i/rot_dim). Scaling variants stretch the low frequencies so a model
+reaches beyond its training context.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from decoderlm.errors import DecoderLMError
+
+
+def inverse_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """θ^(-2i/rot_dim) for i < rot_dim/2, adjusted by the checkpoint's rope_scaling. Shape (rot_dim/2,)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling).float()
+    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama-3.1: divide long wavelengths by `factor`, keep short ones, blend smoothly in between."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(middle, blended, out)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for the given positions. positions (B, T) → cos, sin (B, 1, T, rot_dim)."""
+    angles = positions.float().unsqueeze(-1) * inv_freq  # (B, T, rot_dim/2)
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, rot_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rot_dim channels of x (B, H, T, D); the rest pass through (partial rotary)."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated

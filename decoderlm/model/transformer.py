@@ -1,0 +1,150 @@
+"""The decoder-only Transformer: embeddings → N blocks (attention + FFN, each with a residual) → norm → lm_head.
+
+Every family runs through this code; `ModelConfig` switches the parts (LayerNorm or RMSNorm, learned
+or rotary positions, plain or gated MLP or a mixture of experts, ...). Parameter names follow the HF
+checkpoints (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`), so loading weights is a table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.kv_cache import KVCache
+from decoderlm.model.attention import Attention, build_mask
+from decoderlm.model.mlp import MLP
+from decoderlm.model.moe import MoE
+from decoderlm.model.norm import make_norm
+from decoderlm.model.rope import inverse_frequencies, rope_cos_sin
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T or logits_to_keep, vocab)
+    loss: torch.Tensor | None = None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against aligned targets (B, T); -100 is ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + ffn(norm(x)). With post_norm (OLMo-2): x + norm(attn(x))."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.post_norm = config.post_norm
+        self.input_layernorm = make_norm(config)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = MoE(config) if config.n_experts else MLP(config)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self.input_layernorm(self.self_attn(x, rope, mask, cache))
+            return x + self.post_attention_layernorm(self.mlp(x))
+        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), rope, mask, cache))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_positions = nn.Embedding(config.max_seq_len, config.d_model) if config.position == "learned" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if config.position == "rope":
+            rot_dim = int(config.head_dim * config.partial_rotary_factor)
+            self.register_buffer("inv_freq", inverse_frequencies(rot_dim, config.rope_theta, config.rope_scaling), persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2·n_layers).
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        if exclude_embeddings:
+            n -= self.embed_tokens.weight.numel() + (self.embed_positions.weight.numel() if self.embed_positions is not None else 0)
+        return n
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, T) → logits (B, T, V).
+
+        positions (B, T): token positions (default: after what the cache holds; with attention_mask,
+        counted over real tokens only, so left-padded rows start at 0). attention_mask (B, L): 1 for
+        real tokens, 0 for padding, over all cache slots including these T. labels (B, T): the loss
+        compares logits at t with labels at t+1 (shifted here). logits_to_keep: only the last k rows.
+        """
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        cfg = self.config
+        if positions is None:
+            if attention_mask is not None:
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + T]
+            else:
+                positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        rope = None
+        if self.embed_positions is not None:
+            if int(positions.max()) >= cfg.max_seq_len:
+                raise DecoderLMError(f"sequence reaches position {int(positions.max())}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
+            x = x + self.embed_positions(positions)
+        else:
+            rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, rot_dim) each
+        x = self.dropout(x)
+        mask = self._mask(start, T, attention_mask, x)
+        for block in self.layers:
+            x = block(x, rope, mask, cache)
+        if cache is not None:
+            cache.advance(T)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = lm_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(logits, loss)
+
+    def _mask(self, start: int, T: int, attention_mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """None when plain causal attention is exact (SDPA's is_causal, or one query over all keys)."""
+        k_len = start + T
+        window = self.config.sliding_window
+        window = window if window is not None and k_len > window else None
+        padded = attention_mask is not None and not bool(attention_mask[:, :k_len].all())
+        if not padded and window is None and (start == 0 or T == 1):
+            return None
+        return build_mask(start, T, k_len, attention_mask if padded else None, window, x.dtype, x.device)

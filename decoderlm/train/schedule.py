@@ -1,0 +1,14 @@
+"""Learning-rate schedule: linear warmup, then cosine decay to min_lr at the last step."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if step >= total:
+        return min_lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
