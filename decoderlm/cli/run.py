@@ -57,7 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load(args.model, dtype=args.dtype)
-    params = sampling_params(args, getattr(tok, "generation_defaults", None), getattr(tok, "eos_token_ids", []))
+    params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
     ids = tok.encode(args.prompt)
     print(args.prompt, end="", flush=True)
     print_stream(tok, stream(model, ids, params))

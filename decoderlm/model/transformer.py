@@ -61,6 +61,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.generation_defaults: dict = {}  # sampling defaults from the checkpoint's generation_config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.max_seq_len, config.d_model) if config.position == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
