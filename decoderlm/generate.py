@@ -26,35 +26,54 @@ def decode_step(model: Transformer, token: torch.Tensor, cache: KVCache) -> torc
     return model(token[:, None], cache=cache).logits[:, -1]
 
 
-@torch.inference_mode()
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-    """Yield generated token ids one at a time. Stops at a stop token (not yielded), after
-    max_new_tokens, or when the model's context is full."""
+    """Yield generated token ids one at a time, until a stop token (not yielded) or max_new_tokens.
+    Bad params or prompts raise here, at the call, not at the first token (so a caller can report
+    them before printing anything)."""
     params.validate()
     max_len = model.config.max_seq_len
     if not prompt_ids:
         raise DecoderLMError("the prompt is empty; give at least one token")
     if len(prompt_ids) >= max_len:
         raise DecoderLMError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_len}; shorten the prompt")
-    total = min(len(prompt_ids) + params.max_new_tokens, max_len)
+    return _decode(model, prompt_ids, params)
+
+
+@torch.inference_mode()
+def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+    """Prefill, then sample and decode. When the context is full, start again from its last half
+    (re-prefilled at positions 0.., as nanoGPT crops its input), so a small model can write on."""
     param = next(model.parameters())
-    cache = KVCache(model.config, 1, total, dtype=param.dtype, device=param.device)
-    ids = torch.tensor([prompt_ids], device=param.device)
-    seen = ids if params.repetition_penalty != 1.0 else None
+    max_len = model.config.max_seq_len
+    ids = list(prompt_ids)
+    seen = torch.tensor([ids], device=param.device) if params.repetition_penalty != 1.0 else None
     generator = params.generator(param.device)
     stop = set(params.stop_token_ids)
-    logits = prefill(model, ids, cache)
-    for _ in range(total - len(prompt_ids)):
+
+    def start(context: list[int], to_sample: int) -> tuple[KVCache, torch.Tensor]:
+        # Slots: the context, plus one per sampled token but the last (it needs no forward pass).
+        cache = KVCache(model.config, 1, min(len(context) + to_sample - 1, max_len), dtype=param.dtype, device=param.device)
+        return cache, prefill(model, torch.tensor([context], device=param.device), cache)
+
+    if not params.max_new_tokens:
+        return
+    cache, logits = start(ids, params.max_new_tokens)
+    for n in range(params.max_new_tokens):
         token = sample(logits, params, generator, seen)  # (1,)
         tok = int(token)
         if tok in stop:
             return
         yield tok
-        if cache.length >= total:
+        ids.append(tok)
+        left = params.max_new_tokens - n - 1
+        if not left:
             return
         if seen is not None:
             seen = torch.cat((seen, token[:, None]), dim=1)
-        logits = decode_step(model, token, cache)
+        if cache.length == cache.max_len:
+            cache, logits = start(ids[-max(1, max_len // 2) :], left)
+        else:
+            logits = decode_step(model, token, cache)
 
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:

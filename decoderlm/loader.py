@@ -37,9 +37,18 @@ def resolve_source(source: str | Path) -> Path:
     raise DecoderLMError(f"model {source!s} not found: give a run folder, an HF folder, a .gguf file, or a known name ({', '.join(names.KNOWN)})")
 
 
-def load(source: str | Path, dtype: str | torch.dtype = "float32") -> tuple[Transformer, object]:
-    """(model in eval mode, tokenizer) from any source decoderlm understands."""
-    torch_dtype = resolve_dtype(dtype)
+def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None) -> tuple[Transformer, object]:
+    """(model in eval mode, tokenizer) from any source decoderlm understands. quantize: "int8" or
+    "int4" weights for faster CPU decoding (see `decoderlm.quantize`)."""
+    model, tokenizer = _load(source, resolve_dtype(dtype))
+    if quantize is not None:
+        from decoderlm.quantize import quantize as quantize_weights
+
+        quantize_weights(model, quantize)
+    return model, tokenizer
+
+
+def _load(source: str | Path, torch_dtype: torch.dtype) -> tuple[Transformer, object]:
     path = resolve_source(source)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         model, tokenizer = checkpoint.load_model(path)

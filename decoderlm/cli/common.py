@@ -21,6 +21,12 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) ->
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize weights for faster CPU decoding (int4: ~3x, int8: ~2x; logits move slightly)")
+
+
 def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:
     """Flags override the checkpoint's defaults (generation_config), which override ours."""
     values = dict(defaults or {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from decoderlm.cli.common import add_sampling_flags, print_stream, sampling_params
+from decoderlm.cli.common import add_model_flags, add_sampling_flags, print_stream, sampling_params
 from decoderlm.config import PRESETS
 from decoderlm.generate import stream
 from decoderlm.loader import load
@@ -15,11 +15,12 @@ from decoderlm.train import TrainConfig, train
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on a text file (char-level)")
-    p.add_argument("--data", required=True, help="UTF-8 text file")
+    p.add_argument("--data", help="UTF-8 text file (not needed with --resume)")
     p.add_argument("--preset", default="seed-char", choices=sorted(PRESETS))
     p.add_argument("--out", default="runs/seed-char", help="run folder (checkpoint, logs, loss.png)")
-    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--max-steps", type=int, default=None, help="default: 2000, or with --resume the run's own")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable); the lr schedule still spans --max-steps")
     for flag, kind in (("batch-size", int), ("context", int), ("lr", float), ("min-lr", float), ("warmup", int),
                        ("weight-decay", float), ("beta2", float), ("dropout", float), ("eval-batches", int)):
         p.add_argument(f"--{flag}", type=kind, default=None, help="default: the preset's recipe")
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
     p.add_argument("--model", required=True, help="run folder, HF folder, .gguf file or known name")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_model_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 
@@ -44,23 +45,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     names = ("data", "out", "preset", "max_steps", "batch_size", "context", "lr", "min_lr", "warmup", "weight_decay",
-             "beta2", "dropout", "eval_batches", "eval_interval", "log_interval", "seed", "device", "resume", "sample_chars")
+             "beta2", "dropout", "eval_batches", "eval_interval", "log_interval", "seed", "device", "resume", "stop_after", "sample_chars")
     result = train(TrainConfig(**{n: getattr(args, n) for n in names}))
-    print(f"step {result['step']}: val loss {result['val_loss']:.4f}, {result['seconds']:.0f}s, "
-          f"{result['tokens_per_s']:,.0f} tokens/s; run folder {result['out']}")
+    val = "not evaluated yet" if result["val_loss"] is None else f"{result['val_loss']:.4f}"
+    speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
+    print(f"step {result['step']}: val loss {val}, {result['seconds']:.0f}s{speed}; run folder {result['out']}")
     model, tok = result["model"], result["tokenizer"]
     print("--- sample ---")
     params = SamplingParams(temperature=0.8, top_k=200, max_new_tokens=args.sample_chars, seed=args.seed)
-    print_stream(tok, stream(model, tok.encode("\n"), params))
+    start = tok.encode("\n") if "\n" in tok.stoi else [0]  # a one-line corpus has no newline
+    print_stream(tok, stream(model, start, params))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    model, tok = load(args.model, dtype=args.dtype)
+    model, tok = load(args.model, dtype=args.dtype, quantize=args.quantize)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
-    ids = tok.encode(args.prompt)
+    tokens = stream(model, tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
-    print_stream(tok, stream(model, ids, params))
+    print_stream(tok, tokens)
     return 0
 
 

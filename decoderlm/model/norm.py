@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from decoderlm.config import ModelConfig
@@ -18,9 +19,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + self.weight.float())).to(x.dtype)
+        w = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)  # one fused kernel
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:

@@ -42,7 +42,7 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for the given positions. positions (B, T) → cos, sin (B, 1, T, rot_dim)."""
-    angles = positions.float().unsqueeze(-1) * inv_freq  # (B, T, rot_dim/2)
+    angles = positions.float().unsqueeze(-1) * inv_freq.float()  # (B, T, rot_dim/2), fp32 even in a bf16 model
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, rot_dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

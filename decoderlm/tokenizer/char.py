@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoderlm.errors import DecoderLMError
+
+if TYPE_CHECKING:
+    from decoderlm.tokenizer.bpe import HFTokenizer
 
 
 class CharTokenizer:
@@ -35,3 +38,15 @@ class CharTokenizer:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CharTokenizer":
         return cls(data["chars"])
+
+    def to_hf_tokenizer(self) -> "HFTokenizer":
+        """The same ids as a `tokenizers` tokenizer (a word-level vocabulary of single characters, every
+        character its own word), so a char model can be saved as an HF folder that transformers loads."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        from decoderlm.tokenizer.bpe import HFTokenizer
+
+        tokenizer = Tokenizer(models.WordLevel(self.stoi, unk_token="[UNK]"))  # no [UNK] in the vocabulary: unknown characters fail
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()  # join characters without the spaces word-level decoding adds
+        return HFTokenizer(tokenizer)

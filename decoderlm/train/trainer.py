@@ -28,10 +28,10 @@ from decoderlm.train.schedule import lr_at
 class TrainConfig:
     """Training knobs. `None` means: take the preset's recipe (see RECIPES), else DEFAULT_RECIPE."""
 
-    data: str
+    data: str | None  # not needed to resume
     out: str = "runs/seed-char"
     preset: str = "seed-char"
-    max_steps: int = 2000
+    max_steps: int | None = None  # None: 2000, or on resume the run's own
     batch_size: int | None = None
     context: int | None = None
     lr: float | None = None
@@ -48,6 +48,7 @@ class TrainConfig:
     seed: int = 1337
     device: str = "cpu"
     resume: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; the schedule still spans max_steps
     sample_chars: int = 300
 
 
@@ -63,9 +64,13 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise DecoderLMError(f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
     recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
     filled = {k: v for k, v in recipe.items() if getattr(cfg, k) is None}
+    if cfg.max_steps is None and not cfg.resume:
+        filled["max_steps"] = 2000
+    if cfg.data is None and not cfg.resume:
+        raise DecoderLMError("--data is required to start a run; give a UTF-8 text file")
     cfg = dataclasses.replace(cfg, **filled)
-    for name in ("max_steps", "batch_size", "context", "eval_interval", "log_interval"):
-        if getattr(cfg, name) <= 0:
+    for name in ("max_steps", "batch_size", "context", "eval_interval", "log_interval", "stop_after"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
             raise DecoderLMError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
         raise DecoderLMError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
@@ -105,7 +110,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.resume:
         state = checkpoint.read(out)
         saved = TrainConfig(**state["train_config"])
-        cfg = dataclasses.replace(saved, max_steps=cfg.max_steps, resume=True, device=cfg.device)
+        max_steps = cfg.max_steps or saved.max_steps  # the same total keeps the lr schedule, so resuming is exact
+        cfg = dataclasses.replace(saved, max_steps=max_steps, stop_after=cfg.stop_after, resume=True, device=cfg.device)
         tokenizer = CharTokenizer.from_dict(state["tokenizer"])
         dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32
         train_data, val_data = load_split(out, "train", dtype), load_split(out, "val", dtype)
@@ -125,13 +131,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     optimizer = make_optimizer(model, cfg)
     batch_rng = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []
-    step = 0
+    step, window_loss, window_steps = 0, 0.0, 0  # the window: train losses since the last log row
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         batch_rng.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
         history, step = state["history"], state["step"]
+        window_loss, window_steps = state.get("window", (0.0, 0))
     if step >= cfg.max_steps:
         raise DecoderLMError(f"{out} is already at step {step}; pass a larger --max-steps to train further")
 
@@ -140,15 +147,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
             "batch_rng": batch_rng.get_state(), "torch_rng": torch.get_rng_state(),
             "config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
-            "train_config": dataclasses.asdict(cfg), "history": history,
+            "train_config": dataclasses.asdict(cfg), "history": history, "window": (window_loss, window_steps),
         })
         write_logs(out, history)
 
     model.train()
     tokens_per_step = cfg.batch_size * cfg.context
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
-    t0, window_loss, window_steps = time.perf_counter(), 0.0, 0
-    started = time.perf_counter()
+    t0 = started = time.perf_counter()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.max_steps)
         for group in optimizer.param_groups:
@@ -171,14 +177,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 row["val_loss"] = evaluate(model, val_data, cfg)
             history.append(row)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if row["val_loss"] else "-", tok_s=f"{tok_s:,.0f}")
+            window_loss, window_steps = 0.0, 0
             if row["val_loss"] is not None:
                 save_state()
-            t0, window_loss, window_steps = time.perf_counter(), 0.0, 0
+            t0 = time.perf_counter()
+        if step == cfg.stop_after and not last:
+            save_state()
+            break
     bar.close()
     vals = [r["val_loss"] for r in history if r["val_loss"] is not None]
     speeds = [r["tokens_per_s"] for r in history]
-    return {"step": step, "val_loss": vals[-1], "seconds": time.perf_counter() - started,
-            "tokens_per_s": float(np.median(speeds)), "out": str(out), "model": model.eval(), "tokenizer": tokenizer}
+    return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started,
+            "tokens_per_s": float(np.median(speeds)) if speeds else None, "out": str(out), "model": model.eval(), "tokenizer": tokenizer}
 
 
 def write_logs(out: Path, history: list[dict[str, Any]]) -> None:

@@ -1,0 +1,88 @@
+"""`decoderlm chat`: talk to an instruct model through its chat template.
+
+The whole conversation is re-rendered with the template each turn (templates may treat the last
+message specially), encoded, and the reply streamed until the model's end-of-turn token. When the
+conversation outgrows the context, the oldest turns are dropped; the system prompt stays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from decoderlm.cli.common import add_model_flags, add_sampling_flags, print_stream, sampling_params
+from decoderlm.errors import DecoderLMError
+from decoderlm.generate import stream
+from decoderlm.loader import load
+from decoderlm.names import DEFAULT_MODEL
+from decoderlm.sampling import SamplingParams
+from decoderlm.tokenizer.chat import Message
+
+# For checkpoints that recommend nothing (a GGUF without general.sampling.*): SmolLM2's model card values.
+CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+HELP = "type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) quits"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat with an instruct model (default: the embedded SmolLM2-135M-Instruct)",
+                       epilog=f"Sampling defaults: the checkpoint's, else {CHAT_DEFAULTS}. In the chat: {HELP}.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    p.add_argument("--system", default=None, help="system prompt (default: the template's own, if any)")
+    p.add_argument("--message", default=None, help="send this one message, print the reply and exit")
+    add_model_flags(p)
+    add_sampling_flags(p, max_new_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model, tok = load(args.model, dtype=args.dtype, quantize=args.quantize)
+    if getattr(tok, "chat_template", None) is None:
+        raise DecoderLMError(f"{args.model} has no chat template; use `decoderlm generate --model {args.model} --prompt ...` instead")
+    params = sampling_params(args, model.generation_defaults or CHAT_DEFAULTS, tok.eos_token_ids)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        reply(model, tok, system + [{"role": "user", "content": args.message}], params)
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model}: {HELP}", file=sys.stderr)
+    history: list[Message] = list(system)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":  # "" is EOF
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            history = list(system)
+            print("(conversation reset)", flush=True)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        history = reply(model, tok, history, params)
+
+
+def reply(model, tok, messages: list[Message], params: SamplingParams) -> list[Message]:
+    """Stream the assistant's answer to `messages`; return the conversation including it."""
+    messages, prompt = fit_context(tok, messages, model.config.max_seq_len, params.max_new_tokens)
+    text = print_stream(tok, stream(model, prompt, params))
+    return messages + [{"role": "assistant", "content": text}]
+
+
+def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int) -> tuple[list[Message], list[int]]:
+    """Drop the oldest turns (never the system prompt or the newest message) until the prompt leaves
+    room for a reply of max_new_tokens (at most half the context). Returns (messages kept, prompt ids)."""
+    room = max_len - min(max_new_tokens, max_len // 2)
+    while True:
+        # The template writes BOS and other special tokens itself.
+        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        if len(prompt) <= room or len(messages) - first <= 1:
+            break
+        drop = 2 if len(messages) - first > 2 and messages[first + 1]["role"] == "assistant" else 1
+        messages = messages[:first] + messages[first + drop :]
+    if len(prompt) >= max_len:
+        raise DecoderLMError(f"the message is {len(prompt)} tokens, but the model's context is {max_len}; send a shorter message")
+    return messages, prompt

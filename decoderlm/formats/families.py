@@ -1,0 +1,302 @@
+"""HF checkpoint families: each `model_type` is a reading of config.json into `ModelConfig` fields, the
+inverse writing, and a weight-name table. There is no per-family model code.
+
+A table row maps one checkpoint tensor to one or more of our parameters. Several parameters mean the
+checkpoint fuses them along dim 0 (Phi-3's qkv_proj, GPT-2's c_attn), split at load and concatenated
+at save; `transpose` marks GPT-2's Conv1D, which stores weights as (in, out). Names may hold `{i}`
+(layer), `{e}` (expert) and `{p}` (weight or bias); a row applies where our model has the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+
+
+@dataclass(frozen=True)
+class Row:
+    ckpt: str
+    ours: tuple[str, ...]
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # the transformers class that loads the checkpoint
+    read: Callable[[dict[str, Any]], dict[str, Any]]  # config.json → ModelConfig fields
+    write: Callable[[ModelConfig], dict[str, Any]]  # ModelConfig → config.json fields
+    table: tuple[Row, ...]
+    optional_prefix: str = ""  # older checkpoints may omit it (GPT-2: "transformer.")
+
+
+def row(ckpt: str, *ours: str, transpose: bool = False) -> Row:
+    return Row(ckpt, ours, transpose)
+
+
+def expand(family: Family, config: ModelConfig, params: set[str]) -> dict[str, Row]:
+    """Concrete rows (checkpoint name → Row) for this config: placeholders filled, rows whose
+    parameters our model lacks (absent biases, q/k norms, ...) dropped. A tied lm_head is not a tensor."""
+    if config.tie_embeddings:
+        params = params - {"lm_head.weight"}
+    out: dict[str, Row] = {}
+    for r in family.table:
+        for i in range(config.n_layers) if "{i}" in r.ckpt else [0]:
+            for e in range(config.n_experts) if "{e}" in r.ckpt else [0]:
+                for p in ("weight", "bias") if "{p}" in r.ckpt else ["weight"]:
+                    name, ours = r.ckpt.format(i=i, e=e, p=p), tuple(o.format(i=i, e=e, p=p) for o in r.ours)
+                    if all(o in params for o in ours):
+                        out[name] = Row(name, ours, r.transpose)
+    unnamed = params - {o for r in out.values() for o in r.ours}
+    if unnamed:
+        raise DecoderLMError(f"a {family.model_type} checkpoint has no tensor for our parameter {sorted(unnamed)[0]}; "
+                             f"this model cannot be stored as {family.model_type}")
+    return out
+
+
+# --- tables -------------------------------------------------------------------------------------
+
+ATTN = "layers.{i}.self_attn"
+QKV = tuple(row(f"model.{ATTN}.{x}_proj.{{p}}", f"{ATTN}.{x}_proj.{{p}}") for x in "qkv")
+MLP = tuple(row(f"model.layers.{{i}}.mlp.{x}_proj.{{p}}", f"layers.{{i}}.mlp.{x}_proj.{{p}}") for x in ("gate", "up", "down"))
+
+
+def llama_table(qkv: tuple[Row, ...] = QKV, mlp: tuple[Row, ...] = MLP) -> tuple[Row, ...]:
+    """Llama's names, which its descendants keep; they differ in how q/k/v and the FFN are stored."""
+    return (
+        row("model.embed_tokens.weight", "embed_tokens.weight"),
+        row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+        *qkv,
+        row(f"model.{ATTN}.o_proj.{{p}}", f"{ATTN}.o_proj.{{p}}"),
+        row(f"model.{ATTN}.q_norm.weight", f"{ATTN}.q_norm.weight"),
+        row(f"model.{ATTN}.k_norm.weight", f"{ATTN}.k_norm.weight"),
+        row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
+        *mlp,
+        row("model.norm.weight", "norm.weight"),
+        row("lm_head.weight", "lm_head.weight"),
+    )
+
+
+EXPERT = "layers.{i}.mlp.experts.{e}"
+LLAMA_TABLE = llama_table()
+# Qwen3-MoE: the router is mlp.gate, each expert a dense MLP.
+QWEN3_MOE_TABLE = llama_table(mlp=(
+    row("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.gate.weight"),
+    *(row(f"model.{EXPERT}.{x}_proj.weight", f"{EXPERT}.{x}_proj.weight") for x in ("gate", "up", "down")),
+))
+# Mixtral: block_sparse_moe, with w1 = gate, w3 = up, w2 = down.
+MIXTRAL_TABLE = llama_table(mlp=(
+    row("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.gate.weight"),
+    *(row(f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight", f"{EXPERT}.{x}_proj.weight")
+      for w, x in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
+))
+# Phi-3 fuses q/k/v into one matrix and gate/up into another.
+PHI3_TABLE = llama_table(
+    qkv=(row(f"model.{ATTN}.qkv_proj.weight", *(f"{ATTN}.{x}_proj.weight" for x in "qkv")),),
+    mlp=(row("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.up_proj.weight"),
+         row("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.weight")),
+)
+H = "transformer.h.{i}"
+GPT2_TABLE = (
+    row("transformer.wte.weight", "embed_tokens.weight"),
+    row("transformer.wpe.weight", "embed_positions.weight"),
+    row(H + ".ln_1.{p}", "layers.{i}.input_layernorm.{p}"),
+    row(H + ".attn.c_attn.weight", *(f"{ATTN}.{x}_proj.weight" for x in "qkv"), transpose=True),
+    row(H + ".attn.c_attn.bias", *(f"{ATTN}.{x}_proj.bias" for x in "qkv")),
+    row(H + ".attn.c_proj.weight", f"{ATTN}.o_proj.weight", transpose=True),
+    row(H + ".attn.c_proj.bias", f"{ATTN}.o_proj.bias"),
+    row(H + ".ln_2.{p}", "layers.{i}.post_attention_layernorm.{p}"),
+    row(H + ".mlp.c_fc.weight", "layers.{i}.mlp.up_proj.weight", transpose=True),
+    row(H + ".mlp.c_fc.bias", "layers.{i}.mlp.up_proj.bias"),
+    row(H + ".mlp.c_proj.weight", "layers.{i}.mlp.down_proj.weight", transpose=True),
+    row(H + ".mlp.c_proj.bias", "layers.{i}.mlp.down_proj.bias"),
+    row("transformer.ln_f.{p}", "norm.{p}"),
+    row("lm_head.weight", "lm_head.weight"),
+)
+
+# Buffers some checkpoints carry that hold no learned values (GPT-2's causal mask, old Llama's inv_freq).
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+# --- config.json ↔ ModelConfig ------------------------------------------------------------------
+
+GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _rope(d: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """RoPE fields from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None) or d.get("rope_theta") or default_theta
+    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
+    scaling = None
+    if kind != "default":
+        scaling = {"rope_type": kind, **params}
+        if kind == "llama3":  # transformers falls back to the model's context when the file omits it
+            context = d.get("original_max_position_embeddings") or d["max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", context)
+    return dict(rope_theta=float(theta), rope_scaling=scaling, partial_rotary_factor=float(partial))
+
+
+def _window(d: dict[str, Any], mode: str) -> int | None:
+    """The attention window if every layer uses one. mode "all": config.json's sliding_window applies to
+    every layer (Mistral, Mixtral, Phi-3); "qwen": only with use_sliding_window, and only in the layers
+    listed as sliding (layer_types, else those from max_window_layers on); "none": the family has none."""
+    window = d.get("sliding_window")
+    if mode == "none" or window is None:
+        return None
+    if mode == "all":
+        return window
+    if not d.get("use_sliding_window", False):
+        return None
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    if all(t == "sliding_attention" for t in types):
+        return window
+    if all(t == "full_attention" for t in types):
+        return None
+    raise DecoderLMError(f"this {d['model_type']} checkpoint mixes sliding-window and full-attention layers, "
+                         "which decoderlm does not support yet; "
+                         "set use_sliding_window to false in config.json to run it with full attention")
+
+
+def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 1e-6, tie: bool = False,
+                     head_dim: int | None = None, window: str = "none") -> dict[str, Any]:
+    """The fields every Llama descendant shares; the keyword defaults are the family's transformers defaults."""
+    act = d.get("hidden_act") or "silu"
+    if act not in GATED_ACTS:
+        raise DecoderLMError(f"hidden_act {act!r} in config.json is not supported; supported: {', '.join(GATED_ACTS)}")
+    bias = bool(d.get("attention_bias", False))
+    return dict(
+        vocab_size=d["vocab_size"], n_layers=d["num_hidden_layers"], d_model=d["hidden_size"], n_heads=d["num_attention_heads"],
+        n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=d.get("head_dim") or head_dim,
+        ffn_hidden=d["intermediate_size"], max_seq_len=d.get("max_position_embeddings", 2048),
+        norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **_rope(d, theta),
+        mlp=GATED_ACTS[act], attn_bias=bias, attn_out_bias=bias,
+        tie_embeddings=bool(d.get("tie_word_embeddings", tie)), sliding_window=_window(d, window), family=d["model_type"],
+    )
+
+
+NO_BIAS = dict(attn_bias=False, attn_out_bias=False)  # families whose projections never have biases
+
+
+def _write_llama_like(c: ModelConfig) -> dict[str, Any]:
+    out = dict(
+        vocab_size=c.vocab_size, num_hidden_layers=c.n_layers, hidden_size=c.d_model, num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_hidden, max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+        hidden_act={"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}.get(c.mlp, c.mlp), attention_bias=c.attn_bias, mlp_bias=c.mlp_bias,
+        tie_word_embeddings=c.tie_embeddings, sliding_window=c.sliding_window,
+    )
+    if c.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = c.partial_rotary_factor
+    return out
+
+
+def _read_llama(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d) | dict(mlp_bias=bool(d.get("mlp_bias", False)))
+
+
+def _read_mistral(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, window="all") | NO_BIAS
+
+
+def _read_mixtral(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, theta=1e6, eps=1e-5, window="all") | NO_BIAS | dict(
+        n_experts=d.get("num_local_experts", 8), n_experts_per_tok=d.get("num_experts_per_tok", 2),
+        moe_hidden=d["intermediate_size"], moe_renormalize=True)
+
+
+def _write_mixtral(c: ModelConfig) -> dict[str, Any]:
+    return _write_llama_like(c) | dict(num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok,
+                                       intermediate_size=c.moe_hidden)
+
+
+def _read_qwen2(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, window="qwen") | dict(attn_bias=True, attn_out_bias=False)
+
+
+def _read_qwen3(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, head_dim=128, window="qwen") | dict(qk_norm=True)
+
+
+def _write_qwen(c: ModelConfig) -> dict[str, Any]:
+    sliding = c.sliding_window is not None
+    return _write_llama_like(c) | dict(use_sliding_window=sliding, max_window_layers=0 if sliding else c.n_layers,
+                                       layer_types=["sliding_attention" if sliding else "full_attention"] * c.n_layers)
+
+
+def _read_qwen3_moe(d: dict[str, Any]) -> dict[str, Any]:
+    n_experts = d.get("num_experts", d.get("num_local_experts", 128))
+    if n_experts and (d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1):
+        raise DecoderLMError("this qwen3_moe checkpoint mixes dense and expert layers (mlp_only_layers / decoder_sparse_step), "
+                             "which decoderlm does not support yet")
+    # Unlike Qwen3's, its sliding window (when switched on) covers every layer.
+    return _read_llama_like(d, window="all" if d.get("use_sliding_window") else "none") | dict(
+        qk_norm=True, n_experts=n_experts, n_experts_per_tok=d.get("num_experts_per_tok", 8),
+        moe_hidden=d.get("moe_intermediate_size", 768), moe_renormalize=bool(d.get("norm_topk_prob", False)))
+
+
+def _write_qwen3_moe(c: ModelConfig) -> dict[str, Any]:
+    return _write_llama_like(c) | dict(
+        num_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, moe_intermediate_size=c.moe_hidden,
+        norm_topk_prob=c.moe_renormalize, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=c.sliding_window is not None)
+
+
+def _read_phi3(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, eps=1e-5, window="all") | NO_BIAS
+
+
+def _read_gemma(d: dict[str, Any]) -> dict[str, Any]:
+    # Gemma's official configs say "gelu" but mean the tanh approximation (transformers maps it too).
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    act = "gelu_pytorch_tanh" if act == "gelu" else act
+    return _read_llama_like({**d, "hidden_act": act}, head_dim=256, tie=True) | dict(
+        embed_scale=math.sqrt(d["hidden_size"]), norm_offset=1.0)
+
+
+def _read_gpt2(d: dict[str, Any]) -> dict[str, Any]:
+    if d.get("scale_attn_by_inverse_layer_idx") or not d.get("scale_attn_weights", True):
+        raise DecoderLMError("this gpt2 checkpoint scales attention differently (scale_attn_by_inverse_layer_idx / scale_attn_weights), "
+                             "which decoderlm does not support")
+    act = d.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTS:
+        raise DecoderLMError(f"activation_function {act!r} in config.json is not supported; supported: {', '.join(GPT2_ACTS)}")
+    return dict(
+        vocab_size=d["vocab_size"], n_layers=d["n_layer"], d_model=d["n_embd"], n_heads=d["n_head"],
+        ffn_hidden=d.get("n_inner") or 4 * d["n_embd"], max_seq_len=d.get("n_positions", 1024),
+        norm="layernorm", norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), position="learned", mlp=GPT2_ACTS[act],
+        attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=bool(d.get("tie_word_embeddings", True)), family="gpt2",
+    )
+
+
+def _write_gpt2(c: ModelConfig) -> dict[str, Any]:
+    return dict(vocab_size=c.vocab_size, n_layer=c.n_layers, n_embd=c.d_model, n_head=c.n_heads, n_inner=c.ffn_hidden,
+                n_positions=c.max_seq_len, layer_norm_epsilon=c.norm_eps, activation_function={"gelu_tanh": "gelu_new"}.get(c.mlp, c.mlp),
+                tie_word_embeddings=c.tie_embeddings)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("gpt2", "GPT2LMHeadModel", _read_gpt2, _write_gpt2, GPT2_TABLE, optional_prefix="transformer."),
+    Family("llama", "LlamaForCausalLM", _read_llama, _write_llama_like, LLAMA_TABLE),
+    Family("mistral", "MistralForCausalLM", _read_mistral, _write_llama_like, LLAMA_TABLE),
+    Family("mixtral", "MixtralForCausalLM", _read_mixtral, _write_mixtral, MIXTRAL_TABLE),
+    Family("qwen2", "Qwen2ForCausalLM", _read_qwen2, _write_qwen, LLAMA_TABLE),
+    Family("qwen3", "Qwen3ForCausalLM", _read_qwen3, _write_qwen, LLAMA_TABLE),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _read_qwen3_moe, _write_qwen3_moe, QWEN3_MOE_TABLE),
+    Family("phi3", "Phi3ForCausalLM", _read_phi3, _write_llama_like, PHI3_TABLE),
+    Family("gemma", "GemmaForCausalLM", _read_gemma, _write_llama_like, LLAMA_TABLE),
+)}
+
+
+def family_of(model_type: str | None) -> Family:
+    if model_type not in FAMILIES:
+        raise DecoderLMError(f"model_type {model_type!r} is not supported; supported families: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]

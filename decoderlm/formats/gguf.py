@@ -1,0 +1,271 @@
+"""GGUF (llama.cpp's single-file format): hyper-parameters and tokenizer as metadata, weights as
+(often quantized) tensors. `load_gguf` maps all three onto decoderlm's config, model and tokenizer.
+
+The file is memory-mapped; each tensor is dequantized to fp32, converted and copied into the model
+one at a time, so peak memory is the model plus one tensor. Quirks undone here:
+- llama.cpp stores Llama's Q/K rows interleaved per head (its RoPE rotates adjacent pairs); ours
+  rotates halves (HF layout), so those rows are permuted back;
+- GPT-2's fused `attn_qkv` is split into q/k/v;
+- no `output` tensor means the LM head is tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tqdm import tqdm
+
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.model import Transformer
+from decoderlm.model.rope import inverse_frequencies
+from decoderlm.tokenizer.bpe import HFTokenizer
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+# llama.cpp tensor name → ours; {i} is the layer.
+TENSOR_NAMES = {
+    "token_embd": "embed_tokens",
+    "position_embd": "embed_positions",
+    "output_norm": "norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "layers.{i}.input_layernorm",
+    "blk.{i}.ffn_norm": "layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_gate": "layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "layers.{i}.mlp.down_proj",
+    "blk.{i}.ffn_gate_inp": "layers.{i}.mlp.gate",
+}
+_NAME_RE = re.compile(r"^(?P<base>.+?)\.(?P<param>weight|bias)$")
+
+
+def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tuple[Transformer, HFTokenizer]:
+    """(model in eval mode, tokenizer) from a .gguf file."""
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise DecoderLMError(f"cannot read {path} as GGUF ({e}); give a valid .gguf file") from None
+    meta = Metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = gguf_config(meta, tensors)
+    tokenizer = gguf_tokenizer(meta)
+    with torch.device("meta"):  # no time spent on a random init that is overwritten anyway
+        model = Transformer(config).to(torch_dtype)
+    model = model.to_empty(device="cpu")
+    _restore_after_meta(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=not sys.stderr.isatty()):
+        for name, value in convert_tensor(t, config, meta.arch):
+            if name not in params:
+                raise DecoderLMError(f"GGUF tensor {t.name} ({name}) has no place in a {meta.arch} model; the file does not match its metadata")
+            if params[name].shape != value.shape:
+                raise DecoderLMError(f"GGUF tensor {t.name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)} for {name}")
+            with torch.no_grad():
+                params[name].copy_(value)
+            loaded.add(name)
+    tied = {"lm_head.weight"} if config.tie_embeddings else set()
+    missing = sorted(n for n in params if n not in loaded and n not in tied)
+    if missing:
+        raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
+    model.generation_defaults = meta.sampling_defaults()
+    return model.eval(), tokenizer
+
+
+def _restore_after_meta(model: Transformer) -> None:
+    """to_empty() gives every parameter new storage, which unties lm_head from the embedding, and
+    leaves non-persistent buffers uninitialised: re-tie, and recompute the RoPE frequencies."""
+    c = model.config
+    if c.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if c.position == "rope":
+        model.inv_freq = inverse_frequencies(int(c.head_dim * c.partial_rotary_factor), c.rope_theta, c.rope_scaling)
+
+
+class Metadata:
+    """GGUF key/value metadata, read lazily (the token list is long)."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self.fields = reader.fields
+        self.arch = str(self.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key.replace("{arch}", getattr(self, "arch", "")))
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise DecoderLMError(f"GGUF metadata lacks {key.replace('{arch}', self.arch)}; the file is incomplete, re-convert it with llama.cpp")
+        return value
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """llama.cpp's recommended sampling settings (general.sampling.*), when the file has them."""
+        keys = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "penalty_repeat": "repetition_penalty"}
+        out = {ours: self.get(f"general.sampling.{theirs}") for theirs, ours in keys.items()}
+        return {k: (int(v) if k == "top_k" else float(v)) for k, v in out.items() if v is not None}
+
+
+def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig:
+    arch = meta.arch
+    if arch not in ARCHITECTURES:
+        raise DecoderLMError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensors:
+        raise DecoderLMError("this GGUF scales RoPE with a rope_freqs tensor (Llama 3.1+), which is not supported yet; load the HF checkpoint instead")
+    n_heads = int(meta.require("{arch}.attention.head_count"))
+    d_model = int(meta.require("{arch}.embedding_length"))
+    head_dim = int(meta.get("{arch}.attention.key_length", d_model // n_heads))
+    rot_dim = int(meta.get("{arch}.rope.dimension_count", head_dim))
+    n_kv = meta.get("{arch}.attention.head_count_kv", n_heads)
+    n_kv = max(n_kv) if isinstance(n_kv, list) else n_kv
+    vocab = meta.get("{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    fields: dict[str, Any] = dict(
+        vocab_size=int(vocab), n_layers=int(meta.require("{arch}.block_count")), d_model=d_model, n_heads=n_heads,
+        n_kv_heads=int(n_kv), head_dim=head_dim, ffn_hidden=int(meta.require("{arch}.feed_forward_length")),
+        max_seq_len=int(meta.get("{arch}.context_length", 2048)), family=arch,
+        tie_embeddings="output.weight" not in tensors,
+        attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        attn_out_bias="blk.0.attn_output.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+    if arch == "gpt2":
+        fields.update(norm="layernorm", position="learned", mlp="gelu_tanh", norm_eps=float(meta.get("{arch}.attention.layer_norm_epsilon", 1e-5)))
+    else:
+        fields.update(norm_eps=float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(meta.get("{arch}.rope.freq_base", 10000.0)),
+                      partial_rotary_factor=rot_dim / head_dim)
+        if meta.get("{arch}.rope.scaling.type") == "linear":
+            fields["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require("{arch}.rope.scaling.factor"))}
+        elif meta.get("{arch}.rope.scaling.type") not in (None, "none"):
+            raise DecoderLMError(f"GGUF rope scaling {meta.get('{arch}.rope.scaling.type')!r} is not supported; supported: linear")
+    if meta.get("{arch}.attention.sliding_window"):
+        fields["sliding_window"] = int(meta.get("{arch}.attention.sliding_window"))
+    if meta.get("{arch}.expert_count"):
+        fields.update(n_experts=int(meta.get("{arch}.expert_count")), n_experts_per_tok=int(meta.require("{arch}.expert_used_count")))
+    return ModelConfig(**fields)
+
+
+def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
+    """fp32 torch tensor in PyTorch's (out, in) order — GGUF lists dims innermost first."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        names = ", ".join(q.name for q in SUPPORTED_TYPES)
+        raise DecoderLMError(f"GGUF tensor {t.name} is quantized as {t.tensor_type.name}, which is not supported; supported: {names}")
+    values = dequantize(t.data, t.tensor_type)
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str) -> list[tuple[str, torch.Tensor]]:
+    """One GGUF tensor → (our parameter name, tensor) pairs (several for fused or stacked tensors)."""
+    match = _NAME_RE.match(t.name)
+    if match is None:
+        raise DecoderLMError(f"unexpected GGUF tensor name {t.name}; the file is not a supported {arch} model")
+    base, param = match["base"], match["param"]
+    layer = re.match(r"blk\.(\d+)\.(.+)", base)
+    key, i = (f"blk.{{i}}.{layer[2]}", layer[1]) if layer else (base, "")
+    value = dequantize_tensor(t)
+    hd = config.head_dim
+    if key == "blk.{i}.attn_qkv":  # GPT-2: q, k, v stacked along rows
+        q, k, v = value.split([config.n_heads * hd, config.n_kv_heads * hd, config.n_kv_heads * hd])
+        prefix = f"layers.{i}.self_attn"
+        return [(f"{prefix}.q_proj.{param}", q), (f"{prefix}.k_proj.{param}", k), (f"{prefix}.v_proj.{param}", v)]
+    if key.endswith("_exps"):  # MoE: (n_experts, out, in), one slice per expert
+        proj = {"blk.{i}.ffn_gate_exps": "gate_proj", "blk.{i}.ffn_up_exps": "up_proj", "blk.{i}.ffn_down_exps": "down_proj"}[key]
+        return [(f"layers.{i}.mlp.experts.{e}.{proj}.{param}", w) for e, w in enumerate(value)]
+    if key not in TENSOR_NAMES:
+        raise DecoderLMError(f"GGUF tensor {t.name} is not supported for architecture {arch}")
+    if arch in ("llama", "mistral") and key in ("blk.{i}.attn_q", "blk.{i}.attn_k"):
+        value = unpermute_rope_rows(value, config.n_heads if key.endswith("q") else config.n_kv_heads)
+    return [(f"{TENSOR_NAMES[key].format(i=i)}.{param}", value)]
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp interleaves each head's rows (pairs (0, d/2), (1, d/2+1), ... become adjacent); undo it.
+    w (n_heads·D, in) or a bias (n_heads·D,)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+# How each `tokenizer.ggml.pre` splits text into words before BPE (the regex its merges were learned with).
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+_DIGIT_SPLIT = ("smollm", "starcoder", "refact")  # GPT-2's regex after cutting digits apart
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    if pre in _DIGIT_SPLIT:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre not in ("gpt2", "default", ""):
+        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to decoderlm; splitting words like GPT-2", stacklevel=3)
+    return byte_level
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte → printable character map, the spelling byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def gguf_tokenizer(meta: Metadata) -> HFTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise DecoderLMError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE, used by SmolLM2, Llama 3, Qwen, GPT-2)")
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    alphabet = set(byte_alphabet().values())
+    spell = byte_alphabet()
+    vocab = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types)):
+        if kind == TokenType.NORMAL and not set(tok) <= alphabet:  # stored as raw text: respell its bytes
+            tok = "".join(spell[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+    bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama3", "llama-v3", "llama-bpe"))
+    tk = Tokenizer(bpe)
+    if pre in _SPLITS and pre.startswith("qwen"):
+        tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = _pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TokenType.CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    end_of_turn = [int(meta.get(f"tokenizer.ggml.{k}")) for k in ("eot_token_id", "eom_token_id") if meta.get(f"tokenizer.ggml.{k}") is not None]
+    return HFTokenizer(tk, special_tokens=specials, eos_token_ids=end_of_turn, chat_template=meta.get("tokenizer.chat_template"),
+                       add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))

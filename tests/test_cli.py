@@ -1,0 +1,125 @@
+"""The command line end to end: train → generate → info, and every user mistake is one line, exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import corpus_text
+from decoderlm.cli import main
+
+TRAIN_FLAGS = ["--max-steps", "30", "--eval-interval", "15", "--batch-size", "4", "--context", "32", "--sample-chars", "50"]  # sample > context
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One small trained run shared by this module's tests (training is the slow part)."""
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "shakespeare.txt"
+    data.write_text(corpus_text(), encoding="utf-8")
+    assert main(["train", "--data", str(data), "--out", str(root / "run"), *TRAIN_FLAGS]) == 0
+    return root / "run"
+
+
+def test_train_writes_the_run_folder(run_dir):
+    for name in ("ckpt.pt", "log.csv", "log.json"):
+        assert (run_dir / name).stat().st_size > 0
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    log = json.loads((run_dir / "log.json").read_text())
+    assert log[-1]["step"] == 30 and log[-1]["val_loss"] is not None
+    assert (run_dir / "log.csv").read_text().splitlines()[0] == "step,train_loss,val_loss,lr,tokens_per_s"
+
+
+def test_train_prints_the_result_and_a_sample(tmp_path, capsys):
+    data = tmp_path / "one_line.txt"
+    data.write_text("to be or not to be " * 40, encoding="utf-8")  # no newline: the sample must start elsewhere
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), *TRAIN_FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert "step 30: val loss" in out and "tokens/s" in out
+    sample = out.split("--- sample ---\n")[1]
+    assert len(sample[:-1]) == 50 and set(sample[:-1]) <= set("to be or n")
+
+
+def test_generate_streams_a_continuation(run_dir, capsys):
+    args = ["generate", "--model", str(run_dir), "--prompt", "First", "--max-new-tokens", "12", "--seed", "0"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("First") and len(first) == len("First") + 12 + 1  # + newline
+    assert main(args) == 0
+    assert capsys.readouterr().out == first  # seeded: reproducible
+    assert main([*args[:-2], "--temperature", "0"]) == 0  # greedy works too
+    assert capsys.readouterr().out.startswith("First")
+
+
+def test_info_prints_config_and_parameters(run_dir, capsys):
+    assert main(["info", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    config = json.loads(out[: out.index("parameters:")])
+    assert config["n_layers"] == 4 and config["max_seq_len"] == 32
+    assert "parameters:" in out
+
+
+def test_stop_after_then_resume(tmp_path, capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(corpus_text(5000), encoding="utf-8")
+    flags = ["--out", str(tmp_path / "run"), "--batch-size", "2", "--context", "16", "--eval-interval", "5", "--sample-chars", "5"]
+    assert main(["train", "--data", str(data), "--max-steps", "10", "--stop-after", "4", *flags]) == 0
+    assert "step 4: val loss not evaluated yet" in capsys.readouterr().out
+    assert main(["train", "--resume", *flags]) == 0  # no --data, no --max-steps: the run's own
+    assert "step 10: val loss" in capsys.readouterr().out
+
+
+def corrupt_run(tmp_path):
+    run = tmp_path / "corrupt"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(b"this is not a checkpoint")
+    return run
+
+
+def bad_invocations(tmp_path, run_dir):
+    files = {"empty.txt": b"", "latin1.txt": "caf\xe9 na\xefve".encode("latin-1")}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    gen = ["generate", "--model", str(run_dir), "--prompt", "First"]
+    return {
+        "missing data file": ["train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "r1")],
+        "empty corpus": ["train", "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "r2")],
+        "non-UTF-8 corpus": ["train", "--data", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "r3")],
+        "max steps 0": ["train", "--data", str(tmp_path / "latin1.txt"), "--max-steps", "0"],
+        "no data": ["train", "--out", str(tmp_path / "r4")],
+        "resume nothing": ["train", "--resume", "--out", str(tmp_path / "r5")],
+        "non-integer flag": ["train", "--data", "x.txt", "--max-steps", "many"],
+        "unknown flag": ["generate", "--model", str(run_dir), "--prompt", "x", "--temprature", "1"],
+        "negative temperature": [*gen, "--temperature", "-1"],
+        "top-p 2": [*gen, "--top-p", "2"],
+        "top-k -1": [*gen, "--top-k", "-1"],
+        "min-p 1": [*gen, "--min-p", "1"],
+        "repetition penalty 0": [*gen, "--repetition-penalty", "0"],
+        "unseen character": ["generate", "--model", str(run_dir), "--prompt", "日本"],
+        "empty prompt": ["generate", "--model", str(run_dir), "--prompt", ""],
+        "prompt over the context": ["generate", "--model", str(run_dir), "--prompt", "First " * 10],
+        "corrupt checkpoint": ["generate", "--model", str(corrupt_run(tmp_path)), "--prompt", "a"],
+        "missing model": ["generate", "--model", str(tmp_path / "no-such-model"), "--prompt", "a"],
+        "info missing model": ["info", str(tmp_path / "no-such-model")],
+        "no command": [],
+    }
+
+
+def test_every_user_mistake_is_one_line_and_exit_2(tmp_path, run_dir, capsys):
+    for what, argv in bad_invocations(tmp_path, run_dir).items():
+        assert main(argv) == 2, what
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (what, captured.err)
+        assert captured.out == "", (what, captured.out)
+
+
+@pytest.mark.parametrize("what", ["corrupt checkpoint", "non-UTF-8 corpus"])
+def test_the_installed_entry_point_reports_errors_without_traceback(tmp_path, run_dir, what):
+    argv = bad_invocations(tmp_path, run_dir)[what]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "decoderlm", *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -1,0 +1,273 @@
+"""GGUF reading: dequantization of every supported type against block-format references, and tiny
+models written as GGUF (llama.cpp's names and layouts) whose logits must match the transformers model
+the weights came from."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.formats.gguf import byte_alphabet, dequantize_tensor, load_gguf
+
+transformers = pytest.importorskip("transformers")
+
+# --- references: ggml's block layouts, decoded plainly --------------------------------------
+
+
+def f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float32)
+
+
+def ref_q8_0(raw):  # d (f16), 32 × int8
+    b = raw.reshape(-1, 34)
+    return (f16(b[:, :2]) * b[:, 2:].view(np.int8).astype(np.float32)).ravel()
+
+
+def ref_q4_0(raw):  # d, 16 bytes: low nibbles are values 0..15, high nibbles 16..31, offset 8
+    b = raw.reshape(-1, 18)
+    q = b[:, 2:]
+    vals = np.concatenate([q & 0xF, q >> 4], axis=1).astype(np.float32) - 8
+    return (f16(b[:, :2]) * vals).ravel()
+
+
+def ref_q4_1(raw):  # d, m, 16 bytes; y = d·q + m
+    b = raw.reshape(-1, 20)
+    q = b[:, 4:]
+    vals = np.concatenate([q & 0xF, q >> 4], axis=1).astype(np.float32)
+    return (f16(b[:, :2]) * vals + f16(b[:, 2:4])).ravel()
+
+
+def k_scale_min(s: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """6-bit scale and min of sub-block j from the 12 packed bytes of Q4_K/Q5_K."""
+    s = s.astype(np.int32)
+    if j < 4:
+        return s[:, j] & 63, s[:, j + 4] & 63
+    return (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4), (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+
+
+def ref_q4_k(raw):  # d, dmin, scales[12], qs[128] → 256 values in 8 sub-blocks of 32
+    b = raw.reshape(-1, 144)
+    d, dmin, sc, qs = f16(b[:, 0:2]), f16(b[:, 2:4]), b[:, 4:16], b[:, 16:].astype(np.int32)
+    out = []
+    for chunk in range(4):
+        q = qs[:, 32 * chunk : 32 * chunk + 32]
+        for half, vals in enumerate((q & 0xF, q >> 4)):
+            s, m = k_scale_min(sc, 2 * chunk + half)
+            out.append(d * s[:, None] * vals - dmin * m[:, None])
+    return np.concatenate(out, axis=1).ravel()
+
+
+def ref_q5_k(raw):  # d, dmin, scales[12], qh[32], qs[128]; the 5th bit of value l of sub-block j is bit j of qh[l]
+    b = raw.reshape(-1, 176)
+    d, dmin, sc, qh, qs = f16(b[:, 0:2]), f16(b[:, 2:4]), b[:, 4:16], b[:, 16:48].astype(np.int32), b[:, 48:].astype(np.int32)
+    out = []
+    for chunk in range(4):
+        q = qs[:, 32 * chunk : 32 * chunk + 32]
+        for half, vals in enumerate((q & 0xF, q >> 4)):
+            j = 2 * chunk + half
+            s, m = k_scale_min(sc, j)
+            out.append(d * s[:, None] * (vals + 16 * ((qh >> j) & 1)) - dmin * m[:, None])
+    return np.concatenate(out, axis=1).ravel()
+
+
+def ref_q6_k(raw):  # ql[128], qh[64], scales[16] (int8), d; 16 sub-blocks of 16, values 6-bit minus 32
+    b = raw.reshape(-1, 210)
+    ql, qh, sc, d = b[:, :128].astype(np.int32), b[:, 128:192].astype(np.int32), b[:, 192:208].view(np.int8).astype(np.float32), f16(b[:, 208:210])
+    y = np.zeros((b.shape[0], 256), np.float32)
+    for n in range(2):
+        L, H = ql[:, 64 * n : 64 * n + 64], qh[:, 32 * n : 32 * n + 32]
+        quads = ((L[:, :32] & 0xF) | ((H & 3) << 4), (L[:, 32:] & 0xF) | (((H >> 2) & 3) << 4),
+                 (L[:, :32] >> 4) | (((H >> 4) & 3) << 4), (L[:, 32:] >> 4) | (((H >> 6) & 3) << 4))
+        for k, q in enumerate(quads):
+            for l in range(32):
+                y[:, 128 * n + 32 * k + l] = d[:, 0] * sc[:, 8 * n + l // 16 + 2 * k] * (q[:, l] - 32)
+    return y.ravel()
+
+
+REFERENCES = {Q.Q8_0: ref_q8_0, Q.Q4_0: ref_q4_0, Q.Q4_1: ref_q4_1, Q.Q4_K: ref_q4_k, Q.Q5_K: ref_q5_k, Q.Q6_K: ref_q6_k}
+
+
+def write_gguf(path, arch, meta: dict, tensors: list[tuple[str, np.ndarray, Q]]) -> None:
+    """Tensors are float arrays to quantize, or uint8 blocks already in `qtype` (K-quants)."""
+    w = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    for name, data, qtype in tensors:
+        if data.dtype == np.uint8 or qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, data if data.dtype == np.uint8 else quantize(data, qtype), raw_dtype=None if data.dtype != np.uint8 else qtype)
+        else:
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read_tensor(path, name="t"):
+    return next(t for t in GGUFReader(path).tensors if t.name == name)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_dequantize_quantized_random_data(tmp_path, qtype):
+    x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    write_gguf(tmp_path / "q.gguf", "llama", {}, [("t", x, qtype)])
+    t = read_tensor(tmp_path / "q.gguf")
+    ours = dequantize_tensor(t).numpy()
+    assert ours.shape == (8, 256) and t.tensor_type == qtype
+    if qtype in REFERENCES:
+        np.testing.assert_allclose(ours.ravel(), REFERENCES[qtype](np.asarray(t.data).view(np.uint8)), rtol=1e-6, atol=1e-6)
+    tolerance = {Q.F32: 0, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 0.02, Q.Q4_0: 0.35, Q.Q4_1: 0.3}[qtype]
+    assert np.abs(ours - x).max() <= tolerance * np.abs(x).max() + 1e-7
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_dequantize_k_quants_against_reference(tmp_path, qtype):
+    """gguf cannot quantize K-types, so write random blocks (with sane fp16 scales) and decode them."""
+    rng = np.random.default_rng(1)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (4, 3 * block_bytes), dtype=np.uint8)  # 4 rows × 768 values
+    blocks = raw.reshape(-1, block_bytes)
+    scales = rng.uniform(0.001, 0.1, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        blocks[:, -2:] = scales[:, :2]
+    else:
+        blocks[:, :4] = scales
+    write_gguf(tmp_path / "k.gguf", "llama", {}, [("t", raw, qtype)])
+    ours = dequantize_tensor(read_tensor(tmp_path / "k.gguf")).numpy()
+    assert ours.shape == (4, 768)
+    np.testing.assert_allclose(ours.ravel(), REFERENCES[qtype](raw), rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_quant_type_is_one_line_error(tmp_path):
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    write_gguf(tmp_path / "q.gguf", "llama", {}, [("t", x, Q.Q5_0)])
+    with pytest.raises(DecoderLMError, match=r"Q5_0.*not supported; supported: F32, F16, BF16, Q8_0") as e:
+        dequantize_tensor(read_tensor(tmp_path / "q.gguf"))
+    assert "\n" not in str(e.value)
+
+
+# --- tiny models: transformers weights → GGUF (llama.cpp names/layout) → load_gguf → same logits --
+
+SPECIAL = "<|end|>"
+
+
+def tokenizer_meta() -> tuple[dict, int]:
+    letters = list(byte_alphabet().values())
+    tokens = letters + ["Ġt", "he", SPECIAL]
+    types = [1] * (len(tokens) - 1) + [3]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": ["Ġ t", "h e"],
+            "tokenizer.ggml.bos_token_id": len(tokens) - 1, "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+            "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"}
+    return meta, len(tokens)
+
+
+def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to Llama's q/k rows (pairs (i, i + d/2) become adjacent)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_model(arch: str, vocab: int):
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=vocab - 1, eos_token_id=vocab - 1))
+    for p in model.parameters():  # random norms and biases too, so a misplaced one shows
+        torch.nn.init.normal_(p, mean=0.5 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.2)
+    return model.eval()
+
+
+def gguf_tensors(arch: str, model) -> list[tuple[str, torch.Tensor]]:
+    sd, cfg = model.state_dict(), model.config
+    if arch == "gpt2":
+        out = [("token_embd.weight", sd["transformer.wte.weight"]), ("position_embd.weight", sd["transformer.wpe.weight"]),
+               ("output_norm.weight", sd["transformer.ln_f.weight"]), ("output_norm.bias", sd["transformer.ln_f.bias"])]
+        for i in range(cfg.n_layer):
+            h = f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
+                out += [(f"blk.{i}.{ours}.weight", sd[h + theirs + ".weight"]), (f"blk.{i}.{ours}.bias", sd[h + theirs + ".bias"])]
+            for ours, theirs in (("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")):
+                out += [(f"blk.{i}.{ours}.weight", sd[h + theirs + ".weight"].T), (f"blk.{i}.{ours}.bias", sd[h + theirs + ".bias"])]
+        return out
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"])]
+    if not cfg.tie_word_embeddings:
+        out.append(("output.weight", sd["lm_head.weight"]))
+    for key, value in sd.items():
+        parts = key.split(".")
+        if parts[1] != "layers":
+            continue
+        i, module, param = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            value = permute(value, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
+        out.append((f"blk.{i}.{names[module]}.{param}", value))
+    return out
+
+
+def write_model(path, arch: str, model, qtype: Q) -> None:
+    cfg = model.config
+    meta, _ = tokenizer_meta()
+    if arch == "gpt2":
+        meta |= {f"{arch}.block_count": cfg.n_layer, f"{arch}.context_length": cfg.n_positions, f"{arch}.embedding_length": cfg.n_embd,
+                 f"{arch}.feed_forward_length": 4 * cfg.n_embd, f"{arch}.attention.head_count": cfg.n_head,
+                 f"{arch}.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        meta |= {f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
+                 f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
+                 f"{arch}.attention.head_count": cfg.num_attention_heads, f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+                 f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+                 f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
+    tensors = [(name, value.float().numpy(), qtype if value.dim() == 2 else Q.F32) for name, value in gguf_tensors(arch, model)]
+    write_gguf(path, arch, meta, tensors)
+
+
+def quantized_copy(model, qtype: Q):
+    """The transformers model with every matrix rounded through `qtype` (rows are quantized independently,
+    so llama.cpp's row permutation does not change the result)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), qtype), qtype)))
+    return model
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.F32), ("llama", Q.F16), ("llama", Q.Q8_0), ("qwen2", Q.F32), ("qwen3", Q.Q8_0), ("gpt2", Q.F32)])
+def test_tiny_model_round_trip(tmp_path, arch, qtype):
+    _, vocab = tokenizer_meta()
+    model = hf_model(arch, vocab)
+    write_model(tmp_path / "m.gguf", arch, model, qtype)
+    ours, tok = load_gguf(tmp_path / "m.gguf", torch.float32)
+    if qtype != Q.F32:
+        model = quantized_copy(model, qtype)
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-4
+    assert ours.config.tie_embeddings == (arch in ("qwen2", "gpt2"))
+    assert tok.encode("the" + SPECIAL) == [tok.token_id("t"), tok.token_id("he"), vocab - 1]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\n"

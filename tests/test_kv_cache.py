@@ -1,0 +1,94 @@
+"""Decoding through the KV cache gives the logits of full recomputation, and the cache is lean."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import configs, tiny_config, tiny_model
+from decoderlm.errors import DecoderLMError
+from decoderlm.kv_cache import KVCache
+
+T = 12  # longer than every sliding window drawn by `configs`
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@given(configs(), st.integers(1, T - 1), st.integers(1, 4), st.integers(0, 2**16))
+@settings(max_examples=30)
+def test_cached_decoding_equals_full_recomputation(cfg, prefill_len, chunk, seed):
+    """Prefill a prefix, then feed the rest `chunk` tokens at a time (1 = token by token)."""
+    model = tiny_model(seed, **cfg)
+    ids = torch.randint(0, 37, (2, T), generator=torch.Generator().manual_seed(seed))
+    cache = KVCache(model.config, 2, T)
+    with torch.no_grad():
+        full = model(ids).logits  # (B, T, V)
+        parts = [model(ids[:, :prefill_len], cache=cache).logits]
+        for s in range(prefill_len, T, chunk):
+            parts.append(model(ids[:, s : s + chunk], cache=cache).logits)
+    assert cache.length == T
+    assert_close(torch.cat(parts, dim=1), full)
+
+
+@given(configs(), st.integers(0, 2**16))
+@settings(max_examples=20)
+def test_left_padded_batch_equals_each_row_alone(cfg, seed):
+    """Rows of different lengths, left-padded: prefill and 3 decode steps match each row run unpadded."""
+    model = tiny_model(seed, **cfg)
+    gen = torch.Generator().manual_seed(seed)
+    lengths, steps = [7, 3, 5], 3
+    width = max(lengths)
+    rows = [torch.randint(0, 37, (n + steps,), generator=gen) for n in lengths]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width + steps, dtype=torch.long)  # (B, L): every slot ever used
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = rows[b][:n]
+        attention_mask[b, width - n :] = 1
+    cache = KVCache(model.config, len(rows), width + steps)
+    with torch.no_grad():
+        prefill = model(ids, cache=cache, attention_mask=attention_mask[:, :width]).logits  # (B, width, V)
+        decoded = [model(torch.stack([r[n + s] for r, n in zip(rows, lengths)])[:, None], cache=cache,
+                         attention_mask=attention_mask[:, : width + s + 1]).logits for s in range(steps)]
+        for b, n in enumerate(lengths):
+            alone = model(rows[b][None]).logits[0]  # (n + steps, V)
+            assert_close(prefill[b, width - n :], alone[:n])
+            for s in range(steps):
+                assert_close(decoded[s][b, 0], alone[n + s])
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_cache_holds_only_the_kv_heads(n_kv_heads):
+    config = tiny_config(n_heads=4, n_kv_heads=n_kv_heads)
+    mha = KVCache(tiny_config(n_heads=4), batch_size=2, max_len=10)
+    cache = KVCache(config, batch_size=2, max_len=10)
+    assert cache.k[0].shape == (2, n_kv_heads, 10, config.head_dim)  # (B, Hkv, L, D)
+    assert cache.nbytes() * 4 == mha.nbytes() * n_kv_heads
+    assert cache.nbytes() == 2 * config.n_layers * 2 * n_kv_heads * 10 * config.head_dim * 4  # K and V, fp32
+
+
+def test_cache_is_preallocated_and_written_in_place():
+    model = tiny_model(n_kv_heads=2)
+    cache = KVCache(model.config, 1, 8)
+    pointers = [t.data_ptr() for t in cache.k + cache.v]
+    ids = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(0))
+    values = []  # what layer 1 projects to V, step by step
+    model.layers[1].self_attn.v_proj.register_forward_hook(lambda module, args, out: values.append(out))
+    with torch.no_grad():
+        for s, e in ((0, 4), (4, 5), (5, 6)):  # prefill, then two decode steps
+            model(ids[:, s:e], cache=cache)
+    assert [t.data_ptr() for t in cache.k + cache.v] == pointers
+    assert cache.length == 6
+    expected = torch.cat(values, dim=1).view(1, 6, 2, -1).transpose(1, 2)  # (B, Hkv, T, D)
+    assert torch.equal(cache.v[1][:, :, :6], expected)
+    assert cache.k[1][:, :, 6:].eq(0).all() and cache.v[1][:, :, 6:].eq(0).all()  # later slots untouched
+
+
+def test_cache_overflow_is_an_error():
+    model = tiny_model()
+    cache = KVCache(model.config, 1, 4)
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+        with pytest.raises(DecoderLMError, match="holds 4 tokens"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)

@@ -1,0 +1,36 @@
+"""The character tokenizer: exact round trip, clear errors."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.tokenizer import CharTokenizer
+
+
+@given(st.text(min_size=1))
+def test_round_trip(text):
+    tok = CharTokenizer.from_text(text)
+    ids = tok.encode(text)
+    assert len(ids) == len(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+
+
+@given(st.text(min_size=1))
+def test_vocab_is_sorted_distinct_chars_and_survives_serialization(text):
+    tok = CharTokenizer.from_text(text)
+    assert tok.chars == sorted(set(text))
+    again = CharTokenizer.from_dict(tok.to_dict())
+    assert again.encode(text) == tok.encode(text)
+
+
+def test_unseen_character_is_a_clear_error():
+    tok = CharTokenizer.from_text("hello world")
+    with pytest.raises(DecoderLMError, match="'Z'.*never appeared"):
+        tok.encode("hello Z")
+
+
+def test_empty_corpus_is_an_error():
+    with pytest.raises(DecoderLMError, match="empty"):
+        CharTokenizer.from_text("")
