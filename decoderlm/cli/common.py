@@ -24,7 +24,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) ->
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="quantize weights for faster CPU decoding (int4: ~3x, int8: ~2x; logits move slightly)")
+                   help="quantize weights for faster CPU decoding (decode vs fp32: int4 ~3x, int8 ~2x; logits move slightly)")
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:

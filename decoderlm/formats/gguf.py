@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
@@ -60,7 +61,7 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tup
     """(model in eval mode, tokenizer) from a .gguf file."""
     path = Path(path)
     try:
-        reader = GGUFReader(path)
+        reader = FastReader(path)
     except (OSError, ValueError) as e:
         raise DecoderLMError(f"cannot read {path} as GGUF ({e}); give a valid .gguf file") from None
     meta = Metadata(reader)
@@ -88,6 +89,16 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tup
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
     model.generation_defaults = meta.sampling_defaults()
     return model.eval(), tokenizer
+
+
+class FastReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of the memory map: slicing an np.memmap runs Python code
+    per slice, which made reading the ~100k tokenizer strings take seconds (4x faster this way)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "data" and isinstance(value, np.memmap):
+            value = value.view(np.ndarray)  # still backed by (and keeping alive) the same mapping
+        super().__setattr__(name, value)
 
 
 def _restore_after_meta(model: Transformer) -> None:
