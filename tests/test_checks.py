@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 
-import decoderlm.cli as cli
-from decoderlm.cli import inspect as inspect_cli
 from decoderlm.config import ModelConfig
 from decoderlm.inspect.checks import check_causal, check_kv_cache, check_overfit, shrink
 from decoderlm.kv_cache import KVCache
@@ -23,22 +22,6 @@ CONFIGS = {
     "moe-window-qknorm": ModelConfig.from_preset("llama-tiny", n_layers=2, vocab_size=300, n_experts=4, sliding_window=6, qk_norm=True),
 }
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, especially on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    if inspect_cli not in cli.COMMAND_MODULES:
-        cli.COMMAND_MODULES.append(inspect_cli)
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def model_of(name: str) -> Transformer:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import corpus_text
-from hf_models import CASES, cli, make_hf_model, prompt_ids  # noqa: F401  (cli is a fixture)
+from hf_models import CASES, make_hf_model, prompt_ids
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -7,9 +7,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import torch
+from conftest import run_cli
 
-import decoderlm.cli as cli
-from decoderlm.cli import inspect as inspect_cli
 from decoderlm.config import ModelConfig
 from decoderlm.inspect.explain import attention_weights, mask_matrices, softmax_rows
 from decoderlm.model import Transformer
@@ -19,13 +18,6 @@ from decoderlm.train import checkpoint
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    if inspect_cli not in cli.COMMAND_MODULES:
-        cli.COMMAND_MODULES.append(inspect_cli)
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def assert_png(path: Path, min_width: int) -> None:

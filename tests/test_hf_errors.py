@@ -7,7 +7,7 @@ import shutil
 import struct
 
 import pytest
-from hf_models import cli, make_hf_model  # noqa: F401  (cli is a fixture)
+from hf_models import make_hf_model
 from safetensors.torch import load_file, save_file
 
 

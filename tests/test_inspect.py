@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from gguf import GGUFReader
 
-import decoderlm.cli as cli
 from decoderlm import names
-from decoderlm.cli import inspect as inspect_cli
 from decoderlm.config import PRESETS, ModelConfig
 from decoderlm.inspect.accounting import GROUPS, Accounting
 from decoderlm.inspect.arch import read_spec, spec_from_hf
@@ -27,13 +26,6 @@ FIXTURES = sorted(p.stem for p in CONFIGS.glob("*.json"))
 def acc(name: str) -> Accounting:
     return Accounting.of(read_spec(CONFIGS / f"{name}.json"))
 
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    if inspect_cli not in cli.COMMAND_MODULES:
-        cli.COMMAND_MODULES.append(inspect_cli)
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def hf_meta_model(name: str):

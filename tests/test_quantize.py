@@ -106,11 +106,7 @@ def test_quantized_tiny_families_stay_close_to_fp32(tmp_path, case, mode):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads on two shared cores spin-wait badly
-    model, tok = load(locate(DEFAULT_MODEL))
-    yield model, tok
-    torch.set_num_threads(threads)
+    return load(locate(DEFAULT_MODEL))
 
 
 def test_quantized_smollm2_logits_and_greedy_reply(smollm2):

@@ -19,14 +19,6 @@ TEXTS = ["Hello world", "年假怎么申请？", "emoji 😀👍🏽 and 🇫�
          "a   b\t\tc\n\n\nd  ", "abc123 4567 x1y2 3.14159", " leading space", "<|im_start|>user\nhi<|im_end|>\n", ""]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two threads on two cores shared with other processes spin-wait badly (several times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def path():
