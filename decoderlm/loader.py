@@ -52,7 +52,8 @@ def _load(source: str | Path, torch_dtype: torch.dtype) -> tuple[Transformer, ob
     path = resolve_source(source)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         model, tokenizer = checkpoint.load_model(path)
-        return model.to(torch_dtype), tokenizer
+        model.to(torch_dtype).init_rope()
+        return model, tokenizer
     if path.is_dir() and (path / "config.json").is_file():
         from decoderlm.formats.hf import load_hf
 

@@ -104,3 +104,12 @@ def test_overfits_one_sentence():
         loss.backward()
         opt.step()
     assert loss.item() < 0.05
+
+
+def test_init_rope_restores_fp32_frequencies_after_a_dtype_cast():
+    model = tiny_model(position="rope")
+    exact = model.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.inv_freq.dtype == torch.bfloat16 and not torch.equal(model.inv_freq.float(), exact)
+    model.init_rope()
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, exact)

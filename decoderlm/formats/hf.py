@@ -26,7 +26,6 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of
 from decoderlm.model import Transformer
-from decoderlm.model.rope import inverse_frequencies
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer, generation_defaults
@@ -105,9 +104,7 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
     model = model.to(dtype).to_empty(device="cpu")
     if config.tie_embeddings:  # to_empty gives each module its own storage
         model.lm_head.weight = model.embed_tokens.weight
-    if config.position == "rope":  # a computed buffer, kept in fp32: the meta build held no values
-        rot_dim = int(config.head_dim * config.partial_rotary_factor)
-        model.inv_freq = inverse_frequencies(rot_dim, config.rope_theta, config.rope_scaling)
+    model.init_rope()  # a computed buffer: the meta build held no values
     return model
 
 

@@ -70,14 +70,22 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if config.position == "rope":
-            rot_dim = int(config.head_dim * config.partial_rotary_factor)
-            self.register_buffer("inv_freq", inverse_frequencies(rot_dim, config.rope_theta, config.rope_scaling), persistent=False)
+        self.init_rope()
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2·n_layers).
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    def init_rope(self) -> None:
+        """(Re)compute RoPE's inverse frequencies in fp32. Loaders call it after building on the meta
+        device (which leaves the buffer empty) or casting to bf16/fp16 (which would round it)."""
+        cfg = self.config
+        if cfg.position != "rope":
+            return
+        rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        inv_freq = inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(self.embed_tokens.weight.device), persistent=False)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
