@@ -17,7 +17,6 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inspect.accounting import GROUPS, Accounting
 from decoderlm.model import Transformer
 from decoderlm.model.attention import build_mask
-from decoderlm.model.rope import apply_rope
 
 
 def mask_matrices(n: int, prefix: int, window: int) -> dict[str, torch.Tensor]:
@@ -70,12 +69,7 @@ def attention_weights(model: Transformer, ids: torch.Tensor, layer: int) -> torc
         handle.remove()
     x, rope, mask, _ = captured["args"]
     B, T, _ = x.shape
-    q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
-    k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
     k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
     if mask is None:  # the model relied on SDPA's is_causal
         mask = build_mask(0, T, T, None, None, x.dtype, x.device)
