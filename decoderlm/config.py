@@ -33,7 +33,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     position: str = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3"|"freq_factors", ...}
     partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated
     mlp: str = "swiglu"
     attn_bias: bool = False  # bias on q/k/v projections

@@ -222,13 +222,23 @@ def gguf_tensors(arch: str, model) -> list[tuple[str, torch.Tensor]]:
         if parts[1] != "layers":
             continue
         i, module, param = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if module == "mlp.experts":  # transformers fuses the experts' gate/up: (E, 2·ff, D); llama.cpp stacks each kind
+            if param == "gate_up_proj":
+                gate, up = value.chunk(2, dim=1)
+                out += [(f"blk.{i}.ffn_gate_exps.weight", gate), (f"blk.{i}.ffn_up_exps.weight", up)]
+            else:
+                out.append((f"blk.{i}.ffn_down_exps.weight", value))
+            continue
+        if module == "mlp.gate":  # the MoE router
+            out.append((f"blk.{i}.ffn_gate_inp.{param}", value))
+            continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             value = permute(value, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
         out.append((f"blk.{i}.{names[module]}.{param}", value))
     return out
 
 
-def write_model(path, arch: str, model, qtype: Q) -> None:
+def write_model(path, arch: str, model, qtype: Q, extra_tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
     cfg = model.config
     meta, _ = tokenizer_meta()
     if arch == "gpt2":
@@ -242,7 +252,10 @@ def write_model(path, arch: str, model, qtype: Q) -> None:
                  f"{arch}.attention.head_count": cfg.num_attention_heads, f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
                  f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
                  f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
-    tensors = [(name, value.float().numpy(), qtype if value.dim() == 2 else Q.F32) for name, value in gguf_tensors(arch, model)]
+        if getattr(cfg, "num_local_experts", None):
+            meta |= {f"{arch}.expert_count": cfg.num_local_experts, f"{arch}.expert_used_count": cfg.num_experts_per_tok}
+    named = [*gguf_tensors(arch, model), *extra_tensors]
+    tensors = [(name, value.float().numpy(), qtype if value.dim() >= 2 else Q.F32) for name, value in named]
     write_gguf(path, arch, meta, tensors)
 
 

@@ -188,6 +188,9 @@ NO_BIAS = dict(attn_bias=False, attn_out_bias=False)  # families whose projectio
 
 
 def _write_llama_like(c: ModelConfig) -> dict[str, Any]:
+    if (c.rope_scaling or {}).get("rope_type") == "freq_factors":
+        raise DecoderLMError("this model scales RoPE by per-frequency factors (a GGUF rope_freqs tensor that is not Llama 3 scaling), "
+                             "which an HF config.json cannot express; run the .gguf file directly instead of converting it")
     out = dict(
         vocab_size=c.vocab_size, num_hidden_layers=c.n_layers, hidden_size=c.d_model, num_attention_heads=c.n_heads,
         num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_hidden, max_position_embeddings=c.max_seq_len,

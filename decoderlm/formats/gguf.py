@@ -6,7 +6,10 @@ one at a time, so peak memory is the model plus one tensor. Quirks undone here:
 - llama.cpp stores Llama's Q/K rows interleaved per head (its RoPE rotates adjacent pairs); ours
   rotates halves (HF layout), so those rows are permuted back;
 - GPT-2's fused `attn_qkv` is split into q/k/v;
-- no `output` tensor means the LM head is tied to the token embedding.
+- no `output` tensor means the LM head is tied to the token embedding;
+- Llama 3.1+ RoPE scaling is a `rope_freqs` tensor of per-frequency divisors, read back into the
+  llama3 parameters that produced it when they are Llama 3's own;
+- Mixtral is arch "llama" with stacked expert tensors (`ffn_*_exps`), split into one MLP per expert.
 """
 
 from __future__ import annotations
@@ -107,8 +110,7 @@ def _restore_after_meta(model: Transformer) -> None:
     c = model.config
     if c.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if c.position == "rope":
-        model.inv_freq = inverse_frequencies(int(c.head_dim * c.partial_rotary_factor), c.rope_theta, c.rope_scaling)
+    model.init_rope()
 
 
 class Metadata:
@@ -139,8 +141,6 @@ def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig
     arch = meta.arch
     if arch not in ARCHITECTURES:
         raise DecoderLMError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    if "rope_freqs.weight" in tensors:
-        raise DecoderLMError("this GGUF scales RoPE with a rope_freqs tensor (Llama 3.1+), which is not supported yet; load the HF checkpoint instead")
     n_heads = int(meta.require("{arch}.attention.head_count"))
     d_model = int(meta.require("{arch}.embedding_length"))
     head_dim = int(meta.get("{arch}.attention.key_length", d_model // n_heads))
@@ -148,10 +148,11 @@ def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig
     n_kv = meta.get("{arch}.attention.head_count_kv", n_heads)
     n_kv = max(n_kv) if isinstance(n_kv, list) else n_kv
     vocab = meta.get("{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    n_experts = int(meta.get("{arch}.expert_count") or 0)
     fields: dict[str, Any] = dict(
         vocab_size=int(vocab), n_layers=int(meta.require("{arch}.block_count")), d_model=d_model, n_heads=n_heads,
         n_kv_heads=int(n_kv), head_dim=head_dim, ffn_hidden=int(meta.require("{arch}.feed_forward_length")),
-        max_seq_len=int(meta.get("{arch}.context_length", 2048)), family=arch,
+        max_seq_len=int(meta.get("{arch}.context_length", 2048)), family="mixtral" if n_experts and arch == "llama" else arch,
         tie_embeddings="output.weight" not in tensors,
         attn_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         attn_out_bias="blk.0.attn_output.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
@@ -162,15 +163,38 @@ def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig
     else:
         fields.update(norm_eps=float(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(meta.get("{arch}.rope.freq_base", 10000.0)),
                       partial_rotary_factor=rot_dim / head_dim)
-        if meta.get("{arch}.rope.scaling.type") == "linear":
+        if "rope_freqs.weight" in tensors:
+            factors = dequantize_tensor(tensors["rope_freqs.weight"]).flatten()
+            fields["rope_scaling"] = rope_freqs_scaling(factors, rot_dim, fields["rope_theta"])
+        elif meta.get("{arch}.rope.scaling.type") == "linear":
             fields["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require("{arch}.rope.scaling.factor"))}
         elif meta.get("{arch}.rope.scaling.type") not in (None, "none"):
             raise DecoderLMError(f"GGUF rope scaling {meta.get('{arch}.rope.scaling.type')!r} is not supported; supported: linear")
     if meta.get("{arch}.attention.sliding_window"):
         fields["sliding_window"] = int(meta.get("{arch}.attention.sliding_window"))
-    if meta.get("{arch}.expert_count"):
-        fields.update(n_experts=int(meta.get("{arch}.expert_count")), n_experts_per_tok=int(meta.require("{arch}.expert_used_count")))
+    if n_experts:  # llama.cpp's llama arch mixes the chosen experts with renormalized weights, as Mixtral does
+        moe_hidden = int(meta.get("{arch}.expert_feed_forward_length") or fields["ffn_hidden"])
+        fields.update(n_experts=n_experts, n_experts_per_tok=int(meta.require("{arch}.expert_used_count")),
+                      moe_hidden=moe_hidden, moe_renormalize=True)
     return ModelConfig(**fields)
+
+
+def rope_freqs_scaling(factors: torch.Tensor, rot_dim: int, theta: float) -> dict[str, Any] | None:
+    """rope_scaling for a `rope_freqs` tensor (one divisor per frequency, shape (rot_dim/2,)).
+    llama.cpp writes llama3 scaling this way; when the divisors are exactly those of Llama 3.1/3.2's
+    parameters (low 1, high 4, original context 8192; factor = the largest divisor) say llama3, which
+    an HF config.json can express, else keep the divisors themselves."""
+    if factors.numel() != rot_dim // 2:
+        raise DecoderLMError(f"GGUF rope_freqs has {factors.numel()} values, expected {rot_dim // 2} (rotary dims / 2); "
+                             "the file does not match its metadata")
+    if bool((factors == 1).all()):
+        return None
+    llama3 = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    implied = inverse_frequencies(rot_dim, theta, None) / inverse_frequencies(rot_dim, theta, llama3)
+    if torch.allclose(implied, factors.float(), rtol=1e-5, atol=0):
+        return llama3
+    return {"rope_type": "freq_factors", "factors": factors.tolist()}
 
 
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
@@ -190,6 +214,8 @@ def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str) -> list[tupl
     if match is None:
         raise DecoderLMError(f"unexpected GGUF tensor name {t.name}; the file is not a supported {arch} model")
     base, param = match["base"], match["param"]
+    if base == "rope_freqs":  # RoPE scaling, already in config.rope_scaling
+        return []
     layer = re.match(r"blk\.(\d+)\.(.+)", base)
     key, i = (f"blk.{{i}}.{layer[2]}", layer[1]) if layer else (base, "")
     value = dequantize_tensor(t)
@@ -249,10 +275,30 @@ def byte_alphabet() -> dict[int, str]:
 
 def gguf_tokenizer(meta: Metadata) -> HFTokenizer:
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise DecoderLMError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE, used by SmolLM2, Llama 3, Qwen, GPT-2)")
+    if kind not in ("gpt2", "llama"):
+        raise DecoderLMError(f"GGUF tokenizer model {kind!r} is not supported; "
+                             "supported: gpt2 (byte-level BPE: SmolLM2, Llama 3, Qwen, GPT-2), "
+                             "llama (SentencePiece BPE: Llama 2, Mistral 7B)")
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    tk = _byte_level_bpe(meta, tokens, types) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens, types)
+    special = (TokenType.CONTROL, TokenType.UNKNOWN) if kind == "llama" else (TokenType.CONTROL,)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in special])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+    end_of_turn = [int(meta.get(f"tokenizer.ggml.{k}")) for k in ("eot_token_id", "eom_token_id") if meta.get(f"tokenizer.ggml.{k}") is not None]
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")  # llama.cpp adds BOS to SentencePiece text unless told not to
+    return HFTokenizer(tk, special_tokens=specials, eos_token_ids=end_of_turn, chat_template=meta.get("tokenizer.chat_template"),
+                       add_bos_token=bool(add_bos), add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+
+
+def _byte_level_bpe(meta: Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     alphabet = set(byte_alphabet().values())
@@ -268,15 +314,28 @@ def gguf_tokenizer(meta: Metadata) -> HFTokenizer:
         tk.normalizer = normalizers.NFC()
     tk.pre_tokenizer = _pre_tokenizer(pre)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == TokenType.CONTROL])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED])
+    return tk
 
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-    end_of_turn = [int(meta.get(f"tokenizer.ggml.{k}")) for k in ("eot_token_id", "eom_token_id") if meta.get(f"tokenizer.ggml.{k}") is not None]
-    return HFTokenizer(tk, special_tokens=specials, eos_token_ids=end_of_turn, chat_template=meta.get("tokenizer.chat_template"),
-                       add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+def _sentencepiece_bpe(meta: Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
+    """SentencePiece BPE (Llama 2, Mistral 7B): spaces become "▁" (one is prepended to the text),
+    characters outside the vocabulary fall back to <0xXX> byte tokens, and pairs merge in the order of
+    the merged piece's score — the file lists scores rather than merges."""
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges")]
+    else:
+        scores: list[float] = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+        ranked = sorted(range(len(tokens)), key=lambda i: -scores[i])  # stable: ties keep file order
+        merges = [(tokens[i][:j], tokens[i][j:]) for i in ranked if types[i] == TokenType.NORMAL
+                  for j in range(1, len(tokens[i])) if tokens[i][:j] in vocab and tokens[i][j:] in vocab]
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unk] if unk is not None else None
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    strip = [decoders.Strip(content=" ", left=1)] if prepend == "first" else []
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tk

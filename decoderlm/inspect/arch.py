@@ -103,7 +103,10 @@ class ArchSpec:
             if self.rope_scaling:
                 kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
                 orig = self.rope_scaling.get("original_max_position_embeddings")
-                scaling = f", {kind} scaling ×{self.rope_scaling.get('factor', 1):g}" + (f" from {orig:,}" if orig else "")
+                if kind == "freq_factors":  # GGUF's rope_freqs: one divisor per frequency
+                    scaling = f", per-frequency scaling (divisors {min(self.rope_scaling['factors']):g}..{max(self.rope_scaling['factors']):g})"
+                else:
+                    scaling = f", {kind} scaling ×{self.rope_scaling.get('factor', 1):g}" + (f" from {orig:,}" if orig else "")
             lines.append(f"positions: RoPE θ={self.rope_theta:,.0f}{scaling}")
         if self.sliding_window is not None:
             n_sliding = sum(self.window(i) is not None for i in range(self.n_layers))

@@ -25,7 +25,13 @@ def inverse_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | No
         return (inv_freq / scaling["factor"]).float()
     if kind == "llama3":
         return _llama3(inv_freq, scaling).float()
-    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    if kind == "freq_factors":  # one divisor per frequency, as GGUF's rope_freqs tensor stores any scaling
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise DecoderLMError(f"rope_scaling freq_factors has {factors.numel()} factors, expected {inv_freq.numel()} (rot_dim/2); "
+                                 "fix the config")
+        return (inv_freq / factors).float()
+    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, freq_factors")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
