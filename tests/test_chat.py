@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
 
 import decoderlm.cli as cli
 from decoderlm import names
@@ -16,9 +17,6 @@ from decoderlm.formats.gguf import load_gguf
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import render_chat
-
-transformers = pytest.importorskip("transformers")
-from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
 TEMPLATES = [
     # Llama-3 style: bos_token, strftime_now, trimming, loop controls.

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import corpus_text
+
 from decoderlm.cli import main
 
 TRAIN_FLAGS = ["--max-steps", "30", "--eval-interval", "15", "--batch-size", "4", "--context", "32", "--sample-chars", "50"]  # sample > context

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import tiny_model
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate, stream
 from decoderlm.sampling import SamplingParams

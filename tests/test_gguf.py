@@ -8,14 +8,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.gguf import byte_alphabet, dequantize_tensor, load_gguf
-
-transformers = pytest.importorskip("transformers")
 
 # --- references: ggml's block layouts, decoded plainly --------------------------------------
 

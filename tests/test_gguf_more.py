@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 from test_gguf import SPECIAL, tokenizer_meta, write_gguf, write_model
 
@@ -18,8 +19,6 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.formats.gguf import FastReader, Metadata, gguf_tokenizer, load_gguf
 from decoderlm.formats.hf import save_hf
 from decoderlm.model import Transformer
-
-transformers = pytest.importorskip("transformers")
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 FAR = torch.arange(3000, 3012).repeat(2, 1)  # far positions, where the scaled low frequencies matter

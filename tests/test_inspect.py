@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import run_cli
 from gguf import GGUFReader
 
@@ -30,7 +31,6 @@ def acc(name: str) -> Accounting:
 
 def hf_meta_model(name: str):
     """The transformers model of a fixture config, on the meta device (shapes only, no memory)."""
-    transformers = pytest.importorskip("transformers")
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import configs, tiny_config, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import configs, tiny_config, tiny_model
 from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import KVCache
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import configs, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoderlm.model.attention import build_mask
-from conftest import configs, tiny_model
 
 
 @given(configs(), st.integers(1, 11), st.integers(0, 2**16))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import make_hf_model, prompt_ids
 from torch import nn
 
 from decoderlm import quantize as q
@@ -16,7 +17,6 @@ from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.sampling import SamplingParams
-from hf_models import make_hf_model, prompt_ids
 
 LAYERS = {"int8": q.Int8Linear, "int4": q.Int4Linear}
 

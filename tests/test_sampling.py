@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p, sample
-from conftest import tiny_model
 
 VOCAB = 50
 seeds = st.integers(0, 2**31 - 1)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from decoderlm.formats.gguf import load_gguf
 from decoderlm.generate import generate
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import StreamDecoder
-
-transformers = pytest.importorskip("transformers")
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "年假怎么申请？"]
 TEXTS = ["Hello world", "年假怎么申请？", "emoji 😀👍🏽 and 🇫🇷", "def f(x):\n    return x ** 2  # 42\n",

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.tokenizer.bpe import HFTokenizer, generation_defaults
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = ["Hello world", "年假怎么申请？", "emoji 😀👍🏽", "def f(x):\n    return x  # 42\n", "a   b\t\tc\n\n\nd", "x1y22 333", "<|im_start|>user\nhi<|im_end|>"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "年假？"}]
