@@ -67,6 +67,13 @@ def test_causal_fails_without_the_mask(name, monkeypatch):
     assert not result.passed and result.value > 1e-3 and result.line().endswith("FAIL")
 
 
+def test_kv_cache_fails_rather_than_crashes_when_the_cache_breaks_shapes(monkeypatch):
+    update = KVCache.update
+    monkeypatch.setattr(KVCache, "update", lambda self, layer, k, v: tuple(t[..., :-1] for t in update(self, layer, k, v)))
+    result = check_kv_cache(model_of("llama"), n_tokens=16)
+    assert not result.passed and "crashed" in result.line() and result.line().endswith("FAIL")
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kv_cache_fails_when_the_cache_drops_a_token(name, monkeypatch):
     drop_oldest_cached_token(monkeypatch)
