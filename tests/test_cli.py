@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import corpus_text
 
 from decoderlm.cli import main
@@ -47,8 +48,12 @@ def test_generate_streams_a_continuation(run_dir, capsys):
     assert main(args) == 0
     first = capsys.readouterr().out
     assert first.startswith("First") and len(first) == len("First") + 12 + 1  # + newline
-    assert main(args) == 0
-    assert capsys.readouterr().out == first  # seeded: reproducible
+    threads = torch.get_num_threads()
+    try:
+        assert main([*args, "--threads", "2"]) == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().out == first  # seeded: reproducible, whatever the thread count
     assert main([*args[:-2], "--temperature", "0"]) == 0  # greedy works too
     assert capsys.readouterr().out.startswith("First")
 
@@ -94,6 +99,7 @@ def bad_invocations(tmp_path, run_dir):
         "unknown flag": ["generate", "--model", str(run_dir), "--prompt", "x", "--temprature", "1"],
         "negative temperature": [*gen, "--temperature", "-1"],
         "top-p 2": [*gen, "--top-p", "2"],
+        "threads 0": [*gen, "--threads", "0"],
         "top-k -1": [*gen, "--top-k", "-1"],
         "min-p 1": [*gen, "--min-p", "1"],
         "repetition penalty 0": [*gen, "--repetition-penalty", "0"],

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.cli.common import add_model_flags, add_sampling_flags, print_stream, sampling_params
+from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import stream
-from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import Message
@@ -35,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    model, tok = load(args.model, dtype=args.dtype, quantize=args.quantize)
+    model, tok = load_model(args)
     if getattr(tok, "chat_template", None) is None:
         raise DecoderLMError(f"{args.model} has no chat template; use `decoderlm generate --model {args.model} --prompt ...` instead")
     params = sampling_params(args, model.generation_defaults or CHAT_DEFAULTS, tok.eos_token_ids)

@@ -6,6 +6,11 @@ import argparse
 import sys
 from collections.abc import Iterator
 
+import torch
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.loader import load
+from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import StreamDecoder
 
@@ -25,6 +30,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize weights for faster CPU decoding (decode vs fp32: int4 ~3x, int8 ~2x; logits move slightly)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
+
+
+def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
+    """The model and tokenizer named by --model, with --dtype, --quantize and --threads applied."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DecoderLMError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return load(args.model, dtype=args.dtype, quantize=args.quantize)
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from decoderlm.cli.common import add_model_flags, add_sampling_flags, print_stream, sampling_params
+from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
 from decoderlm.config import PRESETS
 from decoderlm.generate import stream
 from decoderlm.loader import load
@@ -59,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    model, tok = load(args.model, dtype=args.dtype, quantize=args.quantize)
+    model, tok = load_model(args)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
     tokens = stream(model, tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
