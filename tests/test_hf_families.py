@@ -31,12 +31,16 @@ def pair(request, tmp_path_factory):
     return hf, ours, request.param
 
 
+def logits_diff(hf, ours, ids: torch.Tensor | None = None) -> float:
+    """Max |transformers − decoderlm| over the logits of the same ids."""
+    ids = prompt_ids() if ids is None else ids
+    with torch.no_grad():
+        return (hf(ids).logits - ours(ids).logits.float()).abs().max().item()
+
+
 def test_logits_match_transformers(pair):
     hf, ours, _ = pair
-    ids = prompt_ids(24)
-    with torch.no_grad():
-        diff = (hf(ids).logits - ours(ids).logits).abs().max().item()
-    assert diff < TOL
+    assert logits_diff(hf, ours, prompt_ids(24)) < TOL
 
 
 def test_kv_cache_decoding_matches_transformers(pair):
@@ -85,9 +89,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     ours, _ = load(tmp_path)
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert (hf(ids).logits - ours(ids).logits).abs().max().item() < TOL
+    assert logits_diff(hf, ours) < TOL
 
 
 def test_legacy_rope_config_keys(tmp_path):
@@ -99,9 +101,7 @@ def test_legacy_rope_config_keys(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     ours, _ = load(tmp_path)
     assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert (hf(ids).logits - ours(ids).logits).abs().max().item() < TOL
+    assert logits_diff(hf, ours) < TOL
 
 
 def test_gpt2_checkpoint_with_original_names_and_mask_buffers(tmp_path):
@@ -111,9 +111,7 @@ def test_gpt2_checkpoint_with_original_names_and_mask_buffers(tmp_path):
     tensors |= {f"h.{i}.attn.bias": torch.ones(1, 1, 128, 128).tril() for i in range(2)}
     save_file(tensors, tmp_path / "model.safetensors")
     ours, _ = load(tmp_path)
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert (hf(ids).logits - ours(ids).logits).abs().max().item() < TOL
+    assert logits_diff(hf, ours) < TOL
 
 
 def test_bfloat16_load_casts_weights_and_keeps_rope_in_fp32(tmp_path):
@@ -121,9 +119,7 @@ def test_bfloat16_load_casts_weights_and_keeps_rope_in_fp32(tmp_path):
     ours, tok = load_hf(tmp_path, torch.bfloat16)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
     assert ours.inv_freq.dtype == torch.float32
-    ids = prompt_ids()
-    with torch.no_grad():
-        assert (hf(ids).logits - ours(ids).logits.float()).abs().max().item() < 0.1
+    assert logits_diff(hf, ours) < 0.1
     assert tok.decode(tok.encode("The quick brown fox")) == "The quick brown fox"
 
 
