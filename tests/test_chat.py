@@ -66,6 +66,14 @@ def test_chat_message_prints_the_greedy_reply(capsys, smollm2):
     assert out == expected + "\n" and "Paris" in out and "<|im_end|>" not in out
 
 
+def test_generate_defaults_to_the_embedded_model(capsys, smollm2):
+    prompt = "The capital of France is"
+    assert cli.main(["generate", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    model, tok = smollm2
+    expected = tok.decode(generate(model, tok.encode(prompt), SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=tok.eos_token_ids)))
+    assert capsys.readouterr().out == prompt + expected + "\n"
+
+
 def test_interactive_chat_via_stdin():
     argv = [sys.executable, "-m", "decoderlm", "chat", "--temperature", "0", "--max-new-tokens", "8"]
     proc = subprocess.run(argv, input="hi\n/reset\nhello\n/exit\nnever sent\n", capture_output=True, text=True, timeout=120,

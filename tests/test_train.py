@@ -1,6 +1,7 @@
 """Training: schedule, batches, exact resume, crash-safe checkpoints."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,6 +91,26 @@ def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
         load(out)
     with pytest.raises(DecoderLMError, match="corrupt"):
         train(TrainConfig(data=None, out=str(out), resume=True))
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling this calls Path.touch(marker): the kind of payload a hostile ckpt.pt could carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_never_runs_pickled_code(corpus, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "code-ran"
+    small_run(corpus, out, max_steps=10)
+    state = checkpoint.read(out)
+    checkpoint.save(out, state | {"payload": _RunsCodeWhenUnpickled(marker)})
+    with pytest.raises(DecoderLMError, match="does not unpickle code"):
+        load(out)
+    assert not marker.exists()
 
 
 def test_training_lowers_the_loss_and_writes_the_run_folder(corpus, tmp_path):

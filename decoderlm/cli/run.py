@@ -9,6 +9,7 @@ from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model
 from decoderlm.config import PRESETS
 from decoderlm.generate import stream
 from decoderlm.loader import load
+from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.train import TrainConfig, train
 
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
-    p.add_argument("--model", required=True, help="run folder, HF folder, .gguf file or known name")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"run folder, HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
     add_sampling_flags(p)

@@ -2,12 +2,14 @@
 
 It holds everything needed to resume exactly (model, optimizer, step, RNG states, log history) and
 to use the model (config and tokenizer). A kill during `save` leaves the previous file intact,
-because the new one is written beside it and then renamed over it in one step.
+because the new one is written beside it and then renamed over it in one step. Only tensors and plain
+data are read back (`weights_only`), so a run folder from elsewhere cannot run code when loaded.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,11 @@ def read(run_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise DecoderLMError(f"{run_dir} has no {CKPT_NAME}; train a model there first (decoderlm train --out {run_dir})")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         return {k: state[k] for k in ("model", "config", "tokenizer", "step")} | state
+    except pickle.UnpicklingError:
+        raise DecoderLMError(f"checkpoint {path} holds objects other than tensors and plain data; decoderlm does not "
+                             "unpickle code, so load it only if you trust it and re-save its tensors") from None
     except Exception as e:
         raise DecoderLMError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}); retrain or restore it") from None
 
