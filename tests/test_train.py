@@ -108,7 +108,7 @@ def test_checkpoint_never_runs_pickled_code(corpus, tmp_path):
     small_run(corpus, out, max_steps=10)
     state = checkpoint.read(out)
     checkpoint.save(out, state | {"payload": _RunsCodeWhenUnpickled(marker)})
-    with pytest.raises(DecoderLMError, match="does not unpickle code"):
+    with pytest.raises(DecoderLMError, match="never unpickles code"):
         load(out)
     assert not marker.exists()
 

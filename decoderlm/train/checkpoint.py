@@ -42,8 +42,8 @@ def read(run_dir: str | Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
         return {k: state[k] for k in ("model", "config", "tokenizer", "step")} | state
     except pickle.UnpicklingError:
-        raise DecoderLMError(f"checkpoint {path} holds objects other than tensors and plain data; decoderlm does not "
-                             "unpickle code, so load it only if you trust it and re-save its tensors") from None
+        raise DecoderLMError(f"checkpoint {path} is corrupt or holds pickled objects other than tensors and plain data "
+                             "(decoderlm never unpickles code); retrain, or re-save it from code you trust") from None
     except Exception as e:
         raise DecoderLMError(f"checkpoint {path} is corrupt or incomplete ({type(e).__name__}); retrain or restore it") from None
 
