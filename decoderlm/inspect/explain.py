@@ -21,9 +21,9 @@ from decoderlm.model.attention import build_mask
 
 def mask_matrices(n: int, prefix: int, window: int) -> dict[str, torch.Tensor]:
     """(n, n) boolean 'query row may attend to key column' for the four classic attention patterns."""
-    causal = build_mask(0, n, n, None, None, torch.float32, torch.device("cpu"))[0, 0] == 0
-    sliding = build_mask(0, n, n, None, window, torch.float32, torch.device("cpu"))[0, 0] == 0
     keys = torch.arange(n)
+    causal = build_mask(keys[None], keys[None], None, torch.float32)[0, 0] == 0
+    sliding = build_mask(keys[None], keys[None], window, torch.float32)[0, 0] == 0
     return {
         "encoder-only (bidirectional)": torch.ones(n, n, dtype=torch.bool),
         "decoder-only (causal)": causal,
@@ -72,7 +72,8 @@ def attention_weights(model: Transformer, ids: torch.Tensor, layer: int) -> torc
     q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
     k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
     if mask is None:  # the model relied on SDPA's is_causal
-        mask = build_mask(0, T, T, None, None, x.dtype, x.device)
+        slots = torch.arange(T, device=x.device)[None]
+        mask = build_mask(slots, slots, None, x.dtype)
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(attn.head_dim) + mask.float()  # (B, H, T, T)
     return scores.softmax(dim=-1)
 

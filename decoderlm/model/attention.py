@@ -2,38 +2,64 @@
 
 With n_kv_heads < n_heads each K/V head serves a group of n_heads / n_kv_heads query heads. Scores
 are masked so a token sees only itself and earlier tokens (and, with a sliding window, only the last
-`window` of them); `build_mask` makes that mask once per forward.
+`window` of them); `build_mask` makes that mask once per forward, from token positions.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from decoderlm.config import ModelConfig
-from decoderlm.kv_cache import KVCache
 from decoderlm.model.norm import RMSNorm
 from decoderlm.model.rope import apply_rope
 
+if TYPE_CHECKING:
+    from decoderlm.kv_cache import Cache
 
-def build_mask(q_start: int, q_len: int, k_len: int, key_valid: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask (B or 1, 1, q_len, k_len): 0 where query may attend, the dtype's minimum where not.
 
-    Queries sit at cache slots q_start .. q_start+q_len-1, keys at slots 0 .. k_len-1. key_valid (B, k_len)
-    marks real tokens (False = padding). A large finite negative instead of -inf keeps a row whose
-    every key is masked (a padding row) finite: softmax turns it into a harmless uniform row, not NaN.
+def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, dtype: torch.dtype, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask (B, 1, Tq, Tk): 0 where a query may attend to a key, the dtype's minimum where not.
+
+    q_pos (B or 1, Tq) and k_pos (B or 1, Tk) are the tokens' positions in their sequence: a query sees
+    keys at its own position or earlier (and, with a sliding window, fewer than `window` back).
+    key_valid (B or 1, Tk) marks slots that hold a real token (False: padding, or a cache slot not yet
+    written). Positions rather than slot indices make one rule serve a plain, rolling or paged cache.
+    A large finite negative instead of -inf keeps a row whose every key is masked (a padding row)
+    finite: softmax turns it into a harmless uniform row, not NaN.
     """
-    q = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)  # (Tq, 1)
-    k = torch.arange(k_len, device=device).unsqueeze(0)  # (1, Tk)
+    q, k = q_pos[:, :, None], k_pos[:, None, :]  # (B, Tq, 1), (B, 1, Tk)
     allowed = k <= q
     if window is not None:
         allowed = allowed & (q - k < window)
-    allowed = allowed.unsqueeze(0)  # (1, Tq, Tk)
     if key_valid is not None:
-        allowed = allowed & key_valid[:, None, :k_len].bool()  # (B, Tq, Tk)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        allowed = allowed & key_valid[:, None, :].bool()  # (B, Tq, Tk)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def causal_mask(start: int, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The mask for T new tokens at slots start..start+T-1 over keys at slots 0..start+T-1 of one
+    contiguous sequence. attention_mask (B, >= start+T): 1 for real tokens, 0 for padding.
+    None when plain causal attention is exact (SDPA's is_causal, or one query over all keys)."""
+    k_len = start + T
+    window = window if window is not None and k_len > window else None
+    padded = attention_mask is not None and not bool(attention_mask[:, :k_len].all())
+    if not padded and window is None and (start == 0 or T == 1):
+        return None
+    slots = torch.arange(k_len, device=device)[None]  # (1, L)
+    return build_mask(slots[:, start:], slots, window, dtype, attention_mask[:, :k_len] if padded else None)
+
+
+def default_positions(start: int, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Positions (B or 1, T) of T new tokens after `start` cached ones; with attention_mask (B, L), counted
+    over real tokens only, so left-padded rows start at 0."""
+    if attention_mask is not None:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + T]
+    return torch.arange(start, start + T, device=device)[None]
 
 
 class Attention(nn.Module):
@@ -62,7 +88,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)
         if cache is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +17,14 @@ from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import KVCache
-from decoderlm.model.attention import Attention, build_mask
+from decoderlm.model.attention import Attention, causal_mask, default_positions
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
 from decoderlm.model.rope import inverse_frequencies, rope_cos_sin
+
+if TYPE_CHECKING:
+    from decoderlm.kv_cache import Cache
 
 IGNORE_INDEX = -100
 
@@ -49,7 +52,7 @@ class Block(nn.Module):
         self.mlp = MoE(config) if config.n_experts else MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         if self.post_norm:
             x = x + self.input_layernorm(self.self_attn(x, rope, mask, cache))
             return x + self.post_attention_layernorm(self.mlp(x))
@@ -104,7 +107,7 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
@@ -117,13 +120,9 @@ class Transformer(nn.Module):
         compares logits at t with labels at t+1 (shifted here). logits_to_keep: only the last k rows.
         """
         B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
         cfg = self.config
         if positions is None:
-            if attention_mask is not None:
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + T]
-            else:
-                positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+            positions = cache.positions(T, attention_mask, input_ids.device) if cache is not None else default_positions(0, T, attention_mask, input_ids.device)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
@@ -135,7 +134,10 @@ class Transformer(nn.Module):
         else:
             rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, rot_dim) each
         x = self.dropout(x)
-        mask = self._mask(start, T, attention_mask, x)
+        if cache is not None:
+            mask = cache.mask(T, attention_mask, cfg.sliding_window, x.dtype, x.device)
+        else:
+            mask = causal_mask(0, T, attention_mask, cfg.sliding_window, x.dtype, x.device)
         for block in self.layers:
             x = block(x, rope, mask, cache)
         if cache is not None:
@@ -147,13 +149,3 @@ class Transformer(nn.Module):
         if labels is not None:
             loss = lm_loss(logits[:, :-1], labels[:, 1:])
         return ModelOutput(logits, loss)
-
-    def _mask(self, start: int, T: int, attention_mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-        """None when plain causal attention is exact (SDPA's is_causal, or one query over all keys)."""
-        k_len = start + T
-        window = self.config.sliding_window
-        window = window if window is not None and k_len > window else None
-        padded = attention_mask is not None and not bool(attention_mask[:, :k_len].all())
-        if not padded and window is None and (start == 0 or T == 1):
-            return None
-        return build_mask(start, T, k_len, attention_mask if padded else None, window, x.dtype, x.device)
