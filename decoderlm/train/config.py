@@ -85,7 +85,8 @@ def resolve_new(cfg: TrainConfig) -> TrainConfig:
     check_preset(preset)
     values = {name: f.metadata["default"] for name, f in FIELDS.items()} | RECIPES.get(preset, DEFAULT_RECIPE)
     values |= {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}
-    values["decay_steps"] = values["decay_steps"] or values["max_steps"]
+    if values["decay_steps"] is None:
+        values["decay_steps"] = values["max_steps"]
     values["data"] = str(Path(values["data"]).resolve())  # resume compares it; the cwd may differ then
     values["out"] = run_folder(cfg)
     return validate(TrainConfig(**values))
