@@ -82,6 +82,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, mo
         train(TrainConfig(data=None, out=str(out), resume=True))
     monkeypatch.undo()
     after = checkpoint.read(out)
+    assert not (out / "ckpt.pt.tmp").exists()
     assert after["step"] == before["step"] == 10
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
     model, _ = load(out)  # still usable

@@ -37,9 +37,10 @@ def save(run_dir: Path, state: dict[str, Any]) -> Path:
             os.fsync(f.fileno())
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise DecoderLMError(f"cannot write checkpoint {path} ({e.strerror or e}); free disk space or fix the folder's "
                              f"permissions, then --resume (the previous checkpoint, if any, is intact)") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failure or Ctrl-C; gone already after the rename
     return path
 
 

@@ -108,8 +108,8 @@ def resolve_resume(cfg: TrainConfig, saved: TrainConfig, step: int) -> tuple[Tra
              if FIELDS[k].metadata["on_resume"] == RUN and v != getattr(saved, k)]
     resolved = validate(TrainConfig(**values))
     if resolved.max_steps <= step:
-        raise DecoderLMError(f"{cfg.out} is already at step {step}; pass a --max-steps larger than {step} to train further")
-    if resolved.max_steps > resolved.decay_steps:
+        raise DecoderLMError(f"{resolved.out} is already at step {step}; pass a --max-steps larger than {step} to train further")
+    if "max_steps" in given and resolved.max_steps > resolved.decay_steps:
         notes.append(f"note: steps {max(step, resolved.decay_steps) + 1}-{resolved.max_steps} run at --min-lr {resolved.min_lr}, "
                      f"after the schedule's {resolved.decay_steps} steps")
     return resolved, notes

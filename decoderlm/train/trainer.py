@@ -65,33 +65,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Every setting, the data's size and the run folder are checked before the first step; see
     `decoderlm.train.config` for what --resume keeps and what it lets change."""
     out = Path(run_folder(cfg))
-    if cfg.resume:
-        state = checkpoint.read(out)
-        missing = [k for k in RESUME_KEYS if k not in state]
-        if missing:
-            raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
-                                 f"({', '.join(missing)}); start a new run with --data and another --out")
-        cfg, notes = resolve_resume(cfg, TrainConfig(**state["train_config"]), state["step"])
-        tokenizer = CharTokenizer.from_dict(state["tokenizer"])
-        train_data, val_data = load_splits(out, token_dtype(tokenizer.vocab_size))
-        check_sizes(len(train_data), len(val_data), cfg.context, cfg.eval_batches, f"run folder {out}")
-        config = ModelConfig.from_dict(state["config"])
-        for note in notes:
-            print(note, file=sys.stderr)
-    else:
-        cfg, state = resolve_new(cfg), None
-        check_new_run_folder(out)
-        text = read_corpus(cfg.data)
-        tokenizer = CharTokenizer.from_text(text)
-        ids = encode(text, tokenizer)
-        check_sizes(*split_sizes(len(ids)), cfg.context, cfg.eval_batches, f"data file {cfg.data} ({len(ids)} characters)")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            train_data, val_data = write_splits(ids, out)
-        except OSError as e:
-            raise DecoderLMError(f"cannot write the run folder {out} ({e.strerror or e}); choose a writable --out") from None
-        config = ModelConfig.from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.context, dropout=cfg.dropout)
-
+    cfg, state, tokenizer, (train_data, val_data) = open_run(cfg, out) if cfg.resume else start_run(cfg, out)
+    config = ModelConfig.from_dict(state["config"])
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -101,7 +76,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     batch_rng = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []
     step, window_loss, window_steps = 0, 0.0, 0  # the window: train losses since the last log row
-    if state is not None:
+    if "model" in state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"], batch_rng, device)
@@ -160,6 +135,43 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     speeds = [r["tokens_per_s"] for r in history]
     return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started, "config": cfg,
             "tokens_per_s": float(np.median(speeds)) if speeds else None, "out": str(out), "model": model.eval(), "tokenizer": tokenizer}
+
+
+Splits = tuple[np.ndarray, np.ndarray]
+
+
+def open_run(cfg: TrainConfig, out: Path) -> tuple[TrainConfig, dict[str, Any], CharTokenizer, Splits]:
+    """The run in `out` to resume: its checkpoint, its settings with this invocation's applied, its data."""
+    state = checkpoint.read(out)
+    missing = [k for k in RESUME_KEYS if k not in state]
+    if missing:
+        raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
+                             f"({', '.join(missing)}); start a new run with --data and another --out")
+    cfg, notes = resolve_resume(cfg, TrainConfig(**state["train_config"]), state["step"])
+    tokenizer = CharTokenizer.from_dict(state["tokenizer"])
+    splits = load_splits(out, token_dtype(tokenizer.vocab_size))
+    check_sizes(len(splits[0]), len(splits[1]), cfg.context, cfg.eval_batches, f"run folder {out}")
+    for note in notes:
+        print(note, file=sys.stderr)
+    return cfg, state, tokenizer, splits
+
+
+def start_run(cfg: TrainConfig, out: Path) -> tuple[TrainConfig, dict[str, Any], CharTokenizer, Splits]:
+    """A new run: settings and corpus checked, then the tokenized splits written into `out`.
+    The state holds only the model config: nothing is restored."""
+    cfg = resolve_new(cfg)
+    check_new_run_folder(out)
+    text = read_corpus(cfg.data)
+    tokenizer = CharTokenizer.from_text(text)
+    ids = encode(text, tokenizer)
+    check_sizes(*split_sizes(len(ids)), cfg.context, cfg.eval_batches, f"data file {cfg.data} ({len(ids)} characters)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        splits = write_splits(ids, out)
+    except OSError as e:
+        raise DecoderLMError(f"cannot write the run folder {out} ({e.strerror or e}); choose a writable --out") from None
+    config = ModelConfig.from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.context, dropout=cfg.dropout)
+    return cfg, {"config": config.to_dict()}, tokenizer, splits
 
 
 def check_new_run_folder(out: Path) -> None:
