@@ -135,3 +135,11 @@ def test_starting_over_an_existing_run_is_refused(corpus, tmp_path):
         small_run(corpus, tmp_path / "run", max_steps=5)
     with pytest.raises(DecoderLMError, match="already at step"):
         train(TrainConfig(data=None, out=str(tmp_path / "run"), resume=True))
+
+
+def test_evaluation_follows_its_own_interval_whatever_the_log_interval(corpus, tmp_path):
+    """eval every 6 steps, log every 4: val losses at 6 and 12 (not only at their common multiple 12)."""
+    small_run(corpus, tmp_path / "run", max_steps=12, eval_interval=6, log_interval=4)
+    rows = checkpoint.read(tmp_path / "run")["history"]
+    assert [r["step"] for r in rows] == [4, 6, 8, 12]
+    assert [r["step"] for r in rows if r["val_loss"] is not None] == [6, 12]

@@ -64,6 +64,13 @@ def test_a_newer_format_version_is_refused_naming_both_versions(tmp_path, finish
         load(run)
 
 
+def test_training_settings_from_a_newer_decoderlm_are_refused_on_resume(tmp_path, finished):
+    state = checkpoint.read(finished)
+    run = run_with(tmp_path, state | {"train_config": state["train_config"] | {"mixed_precision": "fp8"}})
+    with pytest.raises(DecoderLMError, match="training settings this decoderlm does not know \\(mixed_precision\\)"):
+        train(TrainConfig(out=str(run), resume=True, max_steps=20))
+
+
 def test_a_torch_file_that_is_not_a_run_checkpoint_is_named_so(tmp_path, finished):
     with pytest.raises(DecoderLMError, match="not a decoderlm run checkpoint"):
         checkpoint.read(run_with(tmp_path, {"weight": torch.ones(2)}))

@@ -1,15 +1,18 @@
 """--resume means what it says: exact continuation, refused setup changes, applied interval changes,
 and an extension that never sends the learning rate back up."""
 
+import re
 import shutil
 
 import pytest
 import torch
 from conftest import corpus_text
+from hypothesis import given
+from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.train import TrainConfig, checkpoint, train, trainer
-from decoderlm.train.config import FIELDS, FIXED
+from decoderlm.train.config import FIELDS, FIXED, flag, resolve_new, resolve_resume
 
 SMALL = dict(batch_size=4, context=16, eval_interval=10, log_interval=5, sample_chars=0, warmup=3)
 
@@ -138,3 +141,19 @@ def test_resuming_a_finished_run_asks_for_more_steps(stopped_run, tmp_path):
         resume(out)
     with pytest.raises(DecoderLMError, match="already at step 6"):
         resume(out, max_steps=3)
+
+
+@given(st.dictionaries(st.sampled_from(sorted(CHANGED)), st.booleans()))
+def test_resume_refuses_exactly_the_fixed_settings_that_differ(choice):
+    """Any mix of fixed settings, each given with the run's value or another: refused iff one differs,
+    and the error names exactly those that differ."""
+    saved = resolve_new(TrainConfig(data="corpus.txt", out="r", max_steps=40))
+    given_values = {name: CHANGED[name] if differs else getattr(saved, name) for name, differs in choice.items()}
+    differing = {flag(name) for name, differs in choice.items() if differs}
+    try:
+        cfg, _ = resolve_resume(TrainConfig(out="r", resume=True, **given_values), saved, step=5)
+    except DecoderLMError as e:
+        assert set(re.findall(r"(--[a-z0-9-]+) \S+ \(the run's: ", str(e))) == differing
+    else:
+        assert not differing
+        assert all(getattr(cfg, name) == getattr(saved, name) for name in CHANGED)

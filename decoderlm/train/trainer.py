@@ -24,7 +24,7 @@ from decoderlm.model import Transformer
 from decoderlm.model.transformer import lm_loss
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.train import checkpoint
-from decoderlm.train.config import TrainConfig, resolve_new, resolve_resume, run_folder
+from decoderlm.train.config import FIELDS, TrainConfig, resolve_new, resolve_resume, run_folder
 from decoderlm.train.data import (EVAL_BATCH, check_sizes, encode, eval_windows, get_batch, load_splits, read_corpus,
                                   split_sizes, token_dtype, write_splits)
 from decoderlm.train.schedule import lr_at
@@ -147,6 +147,10 @@ def open_run(cfg: TrainConfig, out: Path) -> tuple[TrainConfig, dict[str, Any], 
     if missing:
         raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
                              f"({', '.join(missing)}); start a new run with --data and another --out")
+    unknown = sorted(set(state["train_config"]) - FIELDS.keys())
+    if unknown:
+        raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} has training settings this decoderlm does not know ({', '.join(unknown)}); "
+                             "upgrade decoderlm to resume it")
     cfg, notes = resolve_resume(cfg, TrainConfig(**state["train_config"]), state["step"])
     tokenizer = CharTokenizer.from_dict(state["tokenizer"])
     splits = load_splits(out, token_dtype(tokenizer.vocab_size))
