@@ -36,17 +36,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, with its type, help and default from the field itself."""
+    """One flag per TrainConfig field, with its type, choices and help taken from the field itself."""
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if hints[f.name] is bool:
             p.add_argument(flag(f.name), action="store_true", help=f.metadata["help"])
-            continue
-        kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))
-        default = f.metadata["default"]
-        shown = f"default: {default}" if default is not None else "default: the preset's recipe" if f.name in DEFAULT_RECIPE else None
-        p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"],
-                       help=f"{f.metadata['help']} ({shown})" if shown and "default:" not in f.metadata["help"] else f.metadata["help"])
+        else:
+            kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))  # X from `X | None`
+            p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"], help=flag_help(f))
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """The field's help and its default, unless the help already names it."""
+    text, default = f.metadata["help"], f.metadata["default"]
+    if "default:" in text or (default is None and f.name not in DEFAULT_RECIPE):
+        return text
+    return f"{text} (default: {'the preset recipe' if default is None else default})"
 
 
 def resume_rules() -> str:

@@ -32,7 +32,12 @@ DEVICES = ("cpu", "cuda", "mps")
 
 def setting(help: str, on_resume: str, default: Any = None, choices: tuple[str, ...] | None = None) -> Any:
     """A TrainConfig field: `None` until resolved; `default` applies when neither the user nor the recipe sets it."""
-    return field(default=None, metadata={"help": help, "on_resume": on_resume, "default": default, "choices": choices})
+    return field(default=None, metadata=dict(help=help, on_resume=on_resume, default=default, choices=choices))
+
+
+def switch(help: str) -> Any:
+    """A TrainConfig on/off field (a flag without a value): off unless given."""
+    return field(default=False, metadata=dict(help=help, on_resume=SESSION, default=False, choices=None))
 
 
 @dataclass
@@ -42,7 +47,7 @@ class TrainConfig:
     data: str | None = setting("UTF-8 text file to train on (not needed with --resume)", FIXED)
     out: str | None = setting("run folder: checkpoint, logs, loss.png (default: runs/PRESET)", SESSION)
     preset: str | None = setting(f"model shape: {', '.join(PRESETS)}", FIXED, "seed-char")
-    resume: bool = field(default=False, metadata={"help": "continue the run in --out where it stopped (see below)", "on_resume": SESSION, "default": False, "choices": None})
+    resume: bool = switch("continue the run in --out where it stopped (see below)")
     max_steps: int | None = setting("optimizer steps to train for; with --resume a larger value extends the run", RUN, 2000)
     decay_steps: int | None = setting("steps the warmup + cosine schedule spans (default: --max-steps); after them the lr stays at --min-lr", FIXED)
     stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged", SESSION)
