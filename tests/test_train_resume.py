@@ -141,6 +141,8 @@ def test_resuming_a_finished_run_asks_for_more_steps(stopped_run, tmp_path):
         resume(out)
     with pytest.raises(DecoderLMError, match="already at step 6"):
         resume(out, max_steps=3)
+    with pytest.raises(DecoderLMError, match="--stop-after 6 is not after the run's step 6"):
+        resume(out, max_steps=10, stop_after=6)  # would otherwise be ignored and the run go on to 10
 
 
 @given(st.dictionaries(st.sampled_from(sorted(CHANGED)), st.booleans()))

@@ -114,6 +114,8 @@ def resolve_resume(cfg: TrainConfig, saved: TrainConfig, step: int) -> tuple[Tra
     resolved = validate(TrainConfig(**values))
     if resolved.max_steps <= step:
         raise DecoderLMError(f"{resolved.out} is already at step {step}; pass a --max-steps larger than {step} to train further")
+    if resolved.stop_after is not None and resolved.stop_after <= step:
+        raise DecoderLMError(f"--stop-after {resolved.stop_after} is not after the run's step {step}; give a later step or drop it")
     if "max_steps" in given and resolved.max_steps > resolved.decay_steps:
         notes.append(f"note: steps {max(step, resolved.decay_steps) + 1}-{resolved.max_steps} run at --min-lr {resolved.min_lr}, "
                      f"after the schedule's {resolved.decay_steps} steps")
