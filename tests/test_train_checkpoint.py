@@ -60,7 +60,8 @@ def test_bytes_that_are_no_checkpoint_are_called_corrupt(tmp_path, finished):
 def test_a_newer_format_version_is_refused_naming_both_versions(tmp_path, finished):
     state = checkpoint.read(finished) | {"format_version": checkpoint.FORMAT_VERSION + 1}
     run = run_with(tmp_path, state)
-    with pytest.raises(DecoderLMError, match=f"format version {checkpoint.FORMAT_VERSION + 1}, but this decoderlm reads versions up to {checkpoint.FORMAT_VERSION}"):
+    newer, ours = checkpoint.FORMAT_VERSION + 1, checkpoint.FORMAT_VERSION
+    with pytest.raises(DecoderLMError, match=f"format version {newer}, but this decoderlm reads versions up to {ours}"):
         load(run)
 
 

@@ -60,7 +60,8 @@ def test_a_val_split_too_small_for_one_window_names_the_corpus_size_needed(tmp_p
     with pytest.raises(DecoderLMError, match="too few for one window"):
         train(TrainConfig(data=str(tmp_path / "short.txt"), out=str(tmp_path / "r1"), context=64, max_steps=1, sample_chars=0))
     (tmp_path / "enough.txt").write_text((text * 3)[:needed])
-    result = train(TrainConfig(data=str(tmp_path / "enough.txt"), out=str(tmp_path / "r2"), context=64, max_steps=1, batch_size=1, sample_chars=0))
+    enough = TrainConfig(data=str(tmp_path / "enough.txt"), out=str(tmp_path / "r2"), context=64, max_steps=1, batch_size=1, sample_chars=0)
+    result = train(enough)
     assert math.isfinite(result["val_loss"])
 
 

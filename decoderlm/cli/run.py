@@ -56,8 +56,8 @@ def flag_help(f: dataclasses.Field) -> str:
 
 def resume_rules() -> str:
     """The --resume rule for --help, listed from the fields' own on_resume."""
-    names = {kind: ", ".join(flag(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata["on_resume"] == kind and f.name not in ("out", "resume"))
-             for kind in (FIXED, RUN, SESSION)}
+    listed = [f for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "resume")]
+    names = {kind: ", ".join(flag(f.name) for f in listed if f.metadata["on_resume"] == kind) for kind in (FIXED, RUN, SESSION)}
     paragraphs = [
         "With --resume, training continues the run in --out exactly where its last checkpoint left it.",
         f"Cannot change (refused if given with another value): {names[FIXED]}.",

@@ -49,7 +49,8 @@ class TrainConfig:
     preset: str | None = setting(f"model shape: {', '.join(PRESETS)}", FIXED, "seed-char")
     resume: bool = switch("continue the run in --out where it stopped (see below)")
     max_steps: int | None = setting("optimizer steps to train for; with --resume a larger value extends the run", RUN, 2000)
-    decay_steps: int | None = setting("steps the warmup + cosine schedule spans (default: --max-steps); after them the lr stays at --min-lr", FIXED)
+    decay_steps: int | None = setting("steps the warmup + cosine schedule spans (default: --max-steps); "
+                                      "after them the lr stays at --min-lr", FIXED)
     stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged", SESSION)
     batch_size: int | None = setting("windows per step", FIXED)
     context: int | None = setting("tokens per window; also the model's max_seq_len", FIXED)

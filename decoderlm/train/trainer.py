@@ -32,7 +32,8 @@ from decoderlm.train.schedule import lr_at
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 # What a run writes into its folder; a new run may start over these (a run killed before its first
 # checkpoint), never over anything else.
-RUN_FILES = {name + tmp for name in (checkpoint.CKPT_NAME, "train.bin", "val.bin") for tmp in ("", ".tmp")} | {"log.csv", "log.json", "loss.png"}
+RUN_FILES = {checkpoint.CKPT_NAME, "train.bin", "val.bin", "log.csv", "log.json", "loss.png"}
+RUN_FILES |= {name + ".tmp" for name in RUN_FILES}
 
 
 def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -92,7 +93,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         try:
             write_logs(out, history)
         except OSError as e:
-            raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: free space, then --resume") from None
+            raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
+                                 "free space, then --resume") from None
 
     model.train()
     tokens_per_step = cfg.batch_size * cfg.context
