@@ -84,7 +84,8 @@ def corrupt_run(tmp_path):
 
 
 def bad_invocations(tmp_path, run_dir):
-    files = {"empty.txt": b"", "latin1.txt": "caf\xe9 na\xefve".encode("latin-1")}
+    files = {"empty.txt": b"", "latin1.txt": "caf\xe9 na\xefve".encode("latin-1"), "binary.bin": b"\x00\x01PK\x03",
+             "ok.txt": corpus_text(2000).encode()}
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
     gen = ["generate", "--model", str(run_dir), "--prompt", "First"]
@@ -96,6 +97,16 @@ def bad_invocations(tmp_path, run_dir):
         "no data": ["train", "--out", str(tmp_path / "r4")],
         "resume nothing": ["train", "--resume", "--out", str(tmp_path / "r5")],
         "non-integer flag": ["train", "--data", "x.txt", "--max-steps", "many"],
+        "data is a folder": ["train", "--data", str(tmp_path), "--out", str(tmp_path / "r6")],
+        "binary corpus": ["train", "--data", str(tmp_path / "binary.bin"), "--out", str(tmp_path / "r7")],
+        "out is a file": ["train", "--data", str(tmp_path / "ok.txt"), "--out", str(tmp_path / "ok.txt")],
+        "beta2 1": ["train", "--data", str(tmp_path / "ok.txt"), "--out", str(tmp_path / "r8"), "--beta2", "1"],
+        "corpus shorter than the context": ["train", "--data", str(tmp_path / "ok.txt"), "--out", str(tmp_path / "r9"), "--context", "256"],
+        "more eval batches than val": ["train", "--data", str(tmp_path / "ok.txt"), "--out", str(tmp_path / "r10"), "--eval-batches", "9"],
+        "unknown device": ["train", "--data", str(tmp_path / "ok.txt"), "--device", "tpu"],
+        "resume with another batch size": ["train", "--resume", "--out", str(run_dir), "--batch-size", "99"],
+        "resume a finished run": ["train", "--resume", "--out", str(run_dir)],
+        "resume a file": ["train", "--resume", "--out", str(tmp_path / "ok.txt")],
         "unknown flag": ["generate", "--model", str(run_dir), "--prompt", "x", "--temprature", "1"],
         "negative temperature": [*gen, "--temperature", "-1"],
         "top-p 2": [*gen, "--top-p", "2"],

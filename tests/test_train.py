@@ -46,9 +46,10 @@ def test_too_short_split_is_a_clear_error():
 
 
 def test_resume_is_exact(corpus, tmp_path):
-    """40 steps at once == 17 steps, stop, --resume for the rest: same losses, same final weights."""
-    whole = small_run(corpus, tmp_path / "whole", max_steps=40)
-    half = small_run(corpus, tmp_path / "split", max_steps=40, stop_after=17)  # not at a log or eval step
+    """40 steps at once == 17 steps, stop, --resume for the rest: same losses, same final weights,
+    optimizer moments and RNG streams (dropout on, so the torch RNG is drawn from as well as the sampler)."""
+    whole = small_run(corpus, tmp_path / "whole", max_steps=40, dropout=0.1)
+    half = small_run(corpus, tmp_path / "split", max_steps=40, stop_after=17, dropout=0.1)  # not at a log or eval step
     assert half["step"] == 17
     resumed = train(TrainConfig(data=None, out=str(tmp_path / "split"), resume=True))  # max_steps from the run
 
@@ -60,6 +61,11 @@ def test_resume_is_exact(corpus, tmp_path):
     a, b = whole["model"].state_dict(), resumed["model"].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["val_loss"] == whole["val_loss"]
+    ends = [checkpoint.read(tmp_path / name) for name in ("whole", "split")]
+    assert ends[0]["rng"].keys() == ends[1]["rng"].keys() == {"torch", "batch"}
+    assert all(torch.equal(ends[0]["rng"][k], ends[1]["rng"][k]) for k in ends[0]["rng"])
+    moments = [[s[m] for s in end["optimizer"]["state"].values() for m in ("exp_avg", "exp_avg_sq")] for end in ends]
+    assert all(torch.equal(a, b) for a, b in zip(*moments))
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, monkeypatch):
@@ -76,6 +82,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, mo
         train(TrainConfig(data=None, out=str(out), resume=True))
     monkeypatch.undo()
     after = checkpoint.read(out)
+    assert not (out / "ckpt.pt.tmp").exists()
     assert after["step"] == before["step"] == 10
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
     model, _ = load(out)  # still usable
@@ -128,3 +135,11 @@ def test_starting_over_an_existing_run_is_refused(corpus, tmp_path):
         small_run(corpus, tmp_path / "run", max_steps=5)
     with pytest.raises(DecoderLMError, match="already at step"):
         train(TrainConfig(data=None, out=str(tmp_path / "run"), resume=True))
+
+
+def test_evaluation_follows_its_own_interval_whatever_the_log_interval(corpus, tmp_path):
+    """eval every 6 steps, log every 4: val losses at 6 and 12 (not only at their common multiple 12)."""
+    small_run(corpus, tmp_path / "run", max_steps=12, eval_interval=6, log_interval=4)
+    rows = checkpoint.read(tmp_path / "run")["history"]
+    assert [r["step"] for r in rows] == [4, 6, 8, 12]
+    assert [r["step"] for r in rows if r["val_loss"] is not None] == [6, 12]

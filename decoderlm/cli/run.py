@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import textwrap
+import typing
 
 from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
-from decoderlm.config import PRESETS
 from decoderlm.generate import stream
 from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.train import TrainConfig, train
+from decoderlm.train.config import DEFAULT_RECIPE, FIXED, RUN, SESSION, flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model on a text file (char-level)")
-    p.add_argument("--data", help="UTF-8 text file (not needed with --resume)")
-    p.add_argument("--preset", default="seed-char", choices=sorted(PRESETS))
-    p.add_argument("--out", default="runs/seed-char", help="run folder (checkpoint, logs, loss.png)")
-    p.add_argument("--max-steps", type=int, default=None, help="default: 2000, or with --resume the run's own")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
-    p.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable); the lr schedule still spans --max-steps")
-    for flag, kind in (("batch-size", int), ("context", int), ("lr", float), ("min-lr", float), ("warmup", int),
-                       ("weight-decay", float), ("beta2", float), ("dropout", float), ("eval-batches", int)):
-        p.add_argument(f"--{flag}", type=kind, default=None, help="default: the preset's recipe")
-    p.add_argument("--eval-interval", type=int, default=250)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--sample-chars", type=int, default=300, help="length of the sample printed at the end")
+    p = sub.add_parser("train", help="train a model on a text file (char-level)", epilog=resume_rules(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_flags(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
@@ -44,16 +35,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_info)
 
 
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, with its type, choices and help taken from the field itself."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if hints[f.name] is bool:
+            p.add_argument(flag(f.name), action="store_true", help=f.metadata["help"])
+        else:
+            kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))  # X from `X | None`
+            p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"], help=flag_help(f))
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """The field's help and its default, unless the help already names it."""
+    text, default = f.metadata["help"], f.metadata["default"]
+    if "default:" in text or (default is None and f.name not in DEFAULT_RECIPE):
+        return text
+    return f"{text} (default: {'the preset recipe' if default is None else default})"
+
+
+def resume_rules() -> str:
+    """The --resume rule for --help, listed from the fields' own on_resume."""
+    listed = [f for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "resume")]
+    names = {kind: ", ".join(flag(f.name) for f in listed if f.metadata["on_resume"] == kind) for kind in (FIXED, RUN, SESSION)}
+    paragraphs = [
+        "With --resume, training continues the run in --out exactly where its last checkpoint left it.",
+        f"Cannot change (refused if given with another value): {names[FIXED]}.",
+        f"May change (applied with a note): {names[RUN]}. A larger --max-steps extends the run: the schedule "
+        "keeps its --decay-steps horizon, so steps past it run at --min-lr (the lr never jumps back up).",
+        f"For this invocation only: {names[SESSION]}.",
+    ]
+    return "\n".join(textwrap.fill(text, 100) for text in paragraphs)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    names = ("data", "out", "preset", "max_steps", "batch_size", "context", "lr", "min_lr", "warmup", "weight_decay",
-             "beta2", "dropout", "eval_batches", "eval_interval", "log_interval", "seed", "device", "resume", "stop_after", "sample_chars")
-    result = train(TrainConfig(**{n: getattr(args, n) for n in names}))
+    result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}))
+    cfg = result["config"]
     val = "not evaluated yet" if result["val_loss"] is None else f"{result['val_loss']:.4f}"
     speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
     print(f"step {result['step']}: val loss {val}, {result['seconds']:.0f}s{speed}; run folder {result['out']}")
     model, tok = result["model"], result["tokenizer"]
     print("--- sample ---")
-    params = SamplingParams(temperature=0.8, top_k=200, max_new_tokens=args.sample_chars, seed=args.seed)
+    params = SamplingParams(temperature=0.8, top_k=200, max_new_tokens=cfg.sample_chars, seed=cfg.seed)
     start = tok.encode("\n") if "\n" in tok.stoi else [0]  # a one-line corpus has no newline
     print_stream(tok, stream(model, start, params))
     return 0

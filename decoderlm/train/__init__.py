@@ -1,5 +1,6 @@
-"""Training from a text file: data preparation, schedule, loop, checkpoints."""
+"""Training from a text file: settings, data preparation, schedule, loop, checkpoints."""
 
-from decoderlm.train.trainer import TrainConfig, train
+from decoderlm.train.config import TrainConfig
+from decoderlm.train.trainer import train
 
 __all__ = ["TrainConfig", "train"]

@@ -1,4 +1,8 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to min_lr at the last step."""
+"""Learning-rate schedule: linear warmup, then cosine decay to min_lr at step `total`, then min_lr.
+
+Holding min_lr after `total` is what makes extending a finished run (`--resume --max-steps` larger)
+continuous: the horizon stays the run's own, so the learning rate never jumps back up.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
-"""The training loop: AdamW, warmup + cosine schedule, gradient clipping, periodic eval and checkpoints."""
+"""The training loop: AdamW, warmup + cosine schedule, gradient clipping, periodic eval and checkpoints.
+
+A killed run resumed from its last checkpoint equals an uninterrupted one step for step: the
+checkpoint carries the optimizer, the loss window being averaged and every RNG stream training draws from.
+"""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
 import json
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,69 +18,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from decoderlm.config import PRESETS, ModelConfig
+from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
 from decoderlm.model.transformer import lm_loss
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.train import checkpoint
-from decoderlm.train.data import eval_windows, get_batch, load_split, prepare, read_corpus
+from decoderlm.train.config import FIELDS, TrainConfig, resolve_new, resolve_resume, run_folder
+from decoderlm.train.data import (EVAL_BATCH, check_sizes, encode, eval_windows, get_batch, load_splits, read_corpus,
+                                  split_sizes, token_dtype, write_splits)
 from decoderlm.train.schedule import lr_at
 
-
-@dataclass
-class TrainConfig:
-    """Training knobs. `None` means: take the preset's recipe (see RECIPES), else DEFAULT_RECIPE."""
-
-    data: str | None  # not needed to resume
-    out: str = "runs/seed-char"
-    preset: str = "seed-char"
-    max_steps: int | None = None  # None: 2000, or on resume the run's own
-    batch_size: int | None = None
-    context: int | None = None
-    lr: float | None = None
-    min_lr: float | None = None
-    warmup: int | None = None
-    weight_decay: float | None = None
-    beta1: float = 0.9
-    beta2: float | None = None
-    grad_clip: float = 1.0
-    dropout: float | None = None
-    eval_interval: int = 250
-    eval_batches: int | None = None  # None: the whole val split
-    log_interval: int = 10
-    seed: int = 1337
-    device: str = "cpu"
-    resume: bool = False
-    stop_after: int | None = None  # stop (with a checkpoint) after this step; the schedule still spans max_steps
-    sample_chars: int = 300
-
-
-# nanoGPT's CPU recipe for tiny Shakespeare (val loss ≈ 1.88 after 2000 steps).
-RECIPES: dict[str, dict[str, Any]] = {
-    "seed-char": dict(batch_size=12, context=64, lr=1e-3, min_lr=1e-4, warmup=100, weight_decay=0.1, beta2=0.99, dropout=0.0),
-}
-DEFAULT_RECIPE = dict(batch_size=8, context=256, lr=6e-4, min_lr=6e-5, warmup=100, weight_decay=0.1, beta2=0.95, dropout=0.0)
-
-
-def resolve(cfg: TrainConfig) -> TrainConfig:
-    if cfg.preset not in PRESETS:
-        raise DecoderLMError(f"unknown preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
-    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
-    filled = {k: v for k, v in recipe.items() if getattr(cfg, k) is None}
-    if cfg.max_steps is None and not cfg.resume:
-        filled["max_steps"] = 2000
-    if cfg.data is None and not cfg.resume:
-        raise DecoderLMError("--data is required to start a run; give a UTF-8 text file")
-    cfg = dataclasses.replace(cfg, **filled)
-    for name in ("max_steps", "batch_size", "context", "eval_interval", "log_interval", "stop_after"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
-            raise DecoderLMError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
-    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
-        raise DecoderLMError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
-    if not 0 <= cfg.dropout < 1:
-        raise DecoderLMError(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    return cfg
+RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
+# What a run writes into its folder; a new run may start over these (a run killed before its first
+# checkpoint), never over anything else.
+RUN_FILES = {checkpoint.CKPT_NAME, "train.bin", "val.bin", "log.csv", "log.json", "loss.png"}
+RUN_FILES |= {name + ".tmp" for name in RUN_FILES}
 
 
 def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -94,7 +51,7 @@ def evaluate(model: Transformer, data: np.ndarray, cfg: TrainConfig) -> float:
     """Mean next-token loss over val windows (the whole split unless eval_batches is set)."""
     model.eval()
     total, count = 0.0, 0
-    for i, (x, y) in enumerate(eval_windows(data, cfg.context, 64)):
+    for i, (x, y) in enumerate(eval_windows(data, cfg.context, EVAL_BATCH)):
         if cfg.eval_batches is not None and i >= cfg.eval_batches:
             break
         loss = lm_loss(model(x.to(cfg.device)).logits, y.to(cfg.device))
@@ -104,91 +61,156 @@ def evaluate(model: Transformer, data: np.ndarray, cfg: TrainConfig) -> float:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or resume) a model in cfg.out; return a summary with the final val loss and speed."""
-    cfg = resolve(cfg)
-    out = Path(cfg.out)
-    if cfg.resume:
-        state = checkpoint.read(out)
-        saved = TrainConfig(**state["train_config"])
-        max_steps = cfg.max_steps or saved.max_steps  # the same total keeps the lr schedule, so resuming is exact
-        cfg = dataclasses.replace(saved, max_steps=max_steps, stop_after=cfg.stop_after, resume=True, device=cfg.device)
-        tokenizer = CharTokenizer.from_dict(state["tokenizer"])
-        dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32
-        train_data, val_data = load_split(out, "train", dtype), load_split(out, "val", dtype)
-        config = ModelConfig.from_dict(state["config"])
-    else:
-        if (out / checkpoint.CKPT_NAME).exists():
-            raise DecoderLMError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-        text = read_corpus(cfg.data)
-        out.mkdir(parents=True, exist_ok=True)
-        tokenizer = CharTokenizer.from_text(text)
-        train_data, val_data = prepare(text, tokenizer, out)
-        config = ModelConfig.from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, max_seq_len=max(cfg.context, 1), dropout=cfg.dropout)
-        state = None
+    """Train (or resume) a model in cfg.out; return a summary with the final val loss and speed.
 
+    Every setting, the data's size and the run folder are checked before the first step; see
+    `decoderlm.train.config` for what --resume keeps and what it lets change."""
+    out = Path(run_folder(cfg))
+    cfg, state, tokenizer, (train_data, val_data) = open_run(cfg, out) if cfg.resume else start_run(cfg, out)
+    config = ModelConfig.from_dict(state["config"])
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = Transformer(config).to(cfg.device)
+    model = Transformer(config).to(device)
     optimizer = make_optimizer(model, cfg)
     batch_rng = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []
     step, window_loss, window_steps = 0, 0.0, 0  # the window: train losses since the last log row
-    if state is not None:
+    if "model" in state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        batch_rng.set_state(state["batch_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        set_rng_states(state["rng"], batch_rng, device)
         history, step = state["history"], state["step"]
-        window_loss, window_steps = state.get("window", (0.0, 0))
-    if step >= cfg.max_steps:
-        raise DecoderLMError(f"{out} is already at step {step}; pass a larger --max-steps to train further")
+        window_loss, window_steps = state["window"]
 
     def save_state() -> None:
         checkpoint.save(out, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "batch_rng": batch_rng.get_state(), "torch_rng": torch.get_rng_state(),
-            "config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
+            "rng": rng_states(batch_rng, device), "config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
             "train_config": dataclasses.asdict(cfg), "history": history, "window": (window_loss, window_steps),
         })
-        write_logs(out, history)
+        try:
+            write_logs(out, history)
+        except OSError as e:
+            raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
+                                 "free space, then --resume") from None
 
     model.train()
     tokens_per_step = cfg.batch_size * cfg.context
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     t0 = started = time.perf_counter()
     while step < cfg.max_steps:
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.max_steps)
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.decay_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch(train_data, cfg.batch_size, cfg.context, batch_rng)
-        loss = lm_loss(model(x.to(cfg.device)).logits, y.to(cfg.device))
+        loss = lm_loss(model(x.to(device)).logits, y.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         step += 1
         window_loss, window_steps = window_loss + loss.item(), window_steps + 1
         bar.update(1)
         last = step == cfg.max_steps
-        if step % cfg.log_interval == 0 or last:
+        evaluating = step % cfg.eval_interval == 0 or last  # on its own interval, whatever the log interval
+        if step % cfg.log_interval == 0 or evaluating:
             elapsed = time.perf_counter() - t0
             tok_s = window_steps * tokens_per_step / elapsed
             row = {"step": step, "train_loss": window_loss / window_steps, "lr": lr, "tokens_per_s": tok_s, "val_loss": None}
-            if step % cfg.eval_interval == 0 or last:
+            if evaluating:
                 row["val_loss"] = evaluate(model, val_data, cfg)
             history.append(row)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if row["val_loss"] else "-", tok_s=f"{tok_s:,.0f}")
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
             window_loss, window_steps = 0.0, 0
-            if row["val_loss"] is not None:
+            if evaluating:
                 save_state()
             t0 = time.perf_counter()
-        if step == cfg.stop_after and not last:
-            save_state()
+        if step == cfg.stop_after:
+            if not evaluating:
+                save_state()
             break
     bar.close()
     vals = [r["val_loss"] for r in history if r["val_loss"] is not None]
     speeds = [r["tokens_per_s"] for r in history]
-    return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started,
+    return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started, "config": cfg,
             "tokens_per_s": float(np.median(speeds)) if speeds else None, "out": str(out), "model": model.eval(), "tokenizer": tokenizer}
+
+
+Splits = tuple[np.ndarray, np.ndarray]
+
+
+def open_run(cfg: TrainConfig, out: Path) -> tuple[TrainConfig, dict[str, Any], CharTokenizer, Splits]:
+    """The run in `out` to resume: its checkpoint, its settings with this invocation's applied, its data."""
+    state = checkpoint.read(out)
+    missing = [k for k in RESUME_KEYS if k not in state]
+    if missing:
+        raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
+                             f"({', '.join(missing)}); start a new run with --data and another --out")
+    unknown = sorted(set(state["train_config"]) - FIELDS.keys())
+    if unknown:
+        raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} has training settings this decoderlm does not know ({', '.join(unknown)}); "
+                             "upgrade decoderlm to resume it")
+    cfg, notes = resolve_resume(cfg, TrainConfig(**state["train_config"]), state["step"])
+    tokenizer = CharTokenizer.from_dict(state["tokenizer"])
+    splits = load_splits(out, token_dtype(tokenizer.vocab_size))
+    check_sizes(len(splits[0]), len(splits[1]), cfg.context, cfg.eval_batches, f"run folder {out}")
+    for note in notes:
+        print(note, file=sys.stderr)
+    return cfg, state, tokenizer, splits
+
+
+def start_run(cfg: TrainConfig, out: Path) -> tuple[TrainConfig, dict[str, Any], CharTokenizer, Splits]:
+    """A new run: settings and corpus checked, then the tokenized splits written into `out`.
+    The state holds only the model config: nothing is restored."""
+    cfg = resolve_new(cfg)
+    check_new_run_folder(out)
+    text = read_corpus(cfg.data)
+    tokenizer = CharTokenizer.from_text(text)
+    ids = encode(text, tokenizer)
+    check_sizes(*split_sizes(len(ids)), cfg.context, cfg.eval_batches, f"data file {cfg.data} ({len(ids)} characters)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        splits = write_splits(ids, out)
+    except OSError as e:
+        raise DecoderLMError(f"cannot write the run folder {out} ({e.strerror or e}); choose a writable --out") from None
+    config = ModelConfig.from_preset(cfg.preset, vocab_size=tokenizer.vocab_size, max_seq_len=cfg.context, dropout=cfg.dropout)
+    return cfg, {"config": config.to_dict()}, tokenizer, splits
+
+
+def check_new_run_folder(out: Path) -> None:
+    """A new run writes only into a new folder, an empty one or an unfinished run's: never over the user's files."""
+    if out.exists() and not out.is_dir():
+        raise DecoderLMError(f"--out {out} is a file; give a folder for the run")
+    if (out / checkpoint.CKPT_NAME).exists():
+        raise DecoderLMError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES) if out.is_dir() else []
+    if foreign:
+        raise DecoderLMError(f"--out {out} holds files that are not a decoderlm run's ({', '.join(foreign[:3])}); "
+                             "choose a new or empty folder")
+
+
+def rng_states(batch_rng: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every random stream training draws from: the batch sampler, and dropout's on the CPU or the GPU.
+    (Nothing in training uses python's `random` or numpy's.)"""
+    states = {"torch": torch.get_rng_state(), "batch": batch_rng.get_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type == "mps":
+        states["mps"] = torch.mps.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], batch_rng: torch.Generator, device: torch.device) -> None:
+    """Restore `rng_states`; a GPU stream saved on another device type is left as seeded."""
+    torch.set_rng_state(states["torch"])
+    batch_rng.set_state(states["batch"])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+    if device.type == "mps" and "mps" in states:
+        torch.mps.set_rng_state(states["mps"])
 
 
 def write_logs(out: Path, history: list[dict[str, Any]]) -> None:
