@@ -132,7 +132,7 @@ def reference_generation(model, prompt: list[int], params: SamplingParams) -> li
 ])
 @pytest.mark.parametrize("max_seq_len", [64, 10])  # 10: the context fills and slides
 def test_generation_equals_a_reference_built_on_transformers_processors(params, max_seq_len):
-    model = tiny_model(2, max_seq_len=max_seq_len, sliding_window=4, n_kv_heads=2)
+    model = tiny_model(2, max_seq_len=max_seq_len, sliding_window=6, n_kv_heads=2)  # 2 layers see 11 tokens back: more than 10
     sampling = SamplingParams(max_new_tokens=30, seed=11, **params)
     assert generate(model, [3, 1, 4], sampling) == reference_generation(model, [3, 1, 4], sampling)
 
