@@ -74,7 +74,8 @@ class RollingKVCache:
     padding), so the ring's order does not matter.
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if config.sliding_window is None:
             raise DecoderLMError("RollingKVCache needs a model with sliding_window; use KVCache for full attention")
         self.window = config.sliding_window
@@ -92,8 +93,9 @@ class RollingKVCache:
     def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         B = self.slot_pos.shape[0]
         q_pos = self.positions(T, attention_mask, device).expand(B, T)  # (B, T)
-        real = attention_mask[:, self.length : self.length + T].bool() if attention_mask is not None else torch.ones_like(q_pos, dtype=torch.bool)
-        self._new_pos = q_pos.masked_fill(~real, -1)
+        if attention_mask is not None:
+            q_pos = q_pos.masked_fill(~attention_mask[:, self.length : self.length + T].bool(), -1)  # padding: no position
+        self._new_pos = q_pos
         k_pos = torch.cat((self.slot_pos, self._new_pos), dim=1)  # (B, W-1 + T), in the order `update` returns keys
         return build_mask(q_pos, k_pos, self.window, dtype, key_valid=k_pos >= 0)
 
@@ -121,7 +123,8 @@ class RollingKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache | RollingKVCache:
+def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> KVCache | RollingKVCache:
     """The cache for up to max_len tokens: a rolling one when a sliding window makes it smaller."""
     if config.sliding_window is not None and config.sliding_window <= max_len:
         return RollingKVCache(config, batch_size, dtype, device)

@@ -34,6 +34,7 @@ def write_spm_tokenizer(folder: Path) -> int:
 
     vocab, merges = _vocab_and_merges()
     tok = LlamaTokenizerFast(vocab=dict(vocab), merges=list(merges))
-    tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}")
     tok.save_pretrained(folder)
     return len(vocab)

@@ -7,8 +7,8 @@ from conftest import tiny_model
 from hf_models import make_hf_model, prompt_ids
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate

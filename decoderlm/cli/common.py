@@ -26,7 +26,8 @@ SAMPLING_EPILOG = ("Sampling defaults: the checkpoint's generation_config (GGUF:
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
