@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -15,10 +15,19 @@ from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import StreamDecoder
 
 
+# Sampling for a checkpoint that recommends none (no generation_config.json, a GGUF without
+# general.sampling.*), in `generate` and `chat` alike: the model card values of the embedded default
+# model, SmolLM2-135M-Instruct. Fields not named here are off.
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+SAMPLING_EPILOG = ("Sampling defaults: the checkpoint's generation_config (GGUF: general.sampling.*), else "
+                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_SAMPLING.items()) + "; flags override them.")
+
+
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the checkpoint's, else 1.0)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
@@ -44,17 +53,18 @@ def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:
-    """Flags override the checkpoint's defaults (generation_config), which override ours."""
-    values = dict(defaults or {})
+    """Flags override the checkpoint's defaults (generation_config), else DEFAULT_SAMPLING."""
+    values = dict(defaults or DEFAULT_SAMPLING)
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=list(stop_token_ids or []), **values)
 
 
-def print_stream(tokenizer, tokens: Iterator[int]) -> str:
-    """Print text as tokens arrive (never half a character); return the whole text."""
-    decoder, parts = StreamDecoder(tokenizer), []
+def print_stream(tokenizer, tokens: Iterator[int], prompt_ids: Sequence[int] = ()) -> str:
+    """Print text as tokens arrive (never half a character; decoded after the prompt, so the first
+    word keeps its space); return the whole text."""
+    decoder, parts = StreamDecoder(tokenizer, prompt_ids), []
     for tok in tokens:
         piece = decoder.push(tok)
         if piece:

@@ -8,7 +8,7 @@ import json
 import textwrap
 import typing
 
-from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
 from decoderlm.generate import stream
 from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_train_flags(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
+    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)", epilog=SAMPLING_EPILOG)
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"run folder, HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
@@ -85,9 +85,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
-    tokens = stream(model, tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
+    prompt = tok.encode(args.prompt)
+    tokens = stream(model, prompt, params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
-    print_stream(tok, tokens)
+    print_stream(tok, tokens, prompt)
     return 0
 
 
