@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.jsonio import read_json
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -53,7 +54,6 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
     post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
     family: str = "custom"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -93,23 +93,30 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise DecoderLMError(f"unknown ModelConfig fields: {', '.join(unknown)}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:  # a missing field, or a value of the wrong type
+            raise DecoderLMError(f"not a valid ModelConfig ({e}); compare it with a preset's fields (ModelConfig.from_preset(...).to_dict())") from None
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise DecoderLMError(f"cannot read config {path}: {e}") from None
+        return cls.from_dict(read_json(path, "ModelConfig file", "give a file written by ModelConfig.to_json"))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         if name not in PRESETS:
-            raise DecoderLMError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise DecoderLMError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}, or give a ModelConfig .json file")
         return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_name(cls, name: str | Path) -> "ModelConfig":
+        """A preset name, or a ModelConfig .json file: what every --preset flag accepts."""
+        if str(name).endswith(".json"):
+            return cls.from_json(name)
+        return cls.from_preset(str(name))
 
 
 def llama_hidden(d_model: int, multiple_of: int = 256) -> int:

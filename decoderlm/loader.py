@@ -2,6 +2,8 @@
 
 A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a `.gguf`
 file, or a known name (see `decoderlm.names`). Each format's reader lives in `decoderlm.formats`.
+The model is built on the meta device and its weights are copied straight onto the requested
+device, one tensor at a time, so a GPU load never holds a second full copy on the CPU.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
 from decoderlm.train import checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("cpu", "cuda", "mps")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -23,6 +27,24 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise DecoderLMError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A device this machine has: cpu, cuda (or cuda:N) or mps; anything else is a one-line error."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in DEVICES:
+        raise DecoderLMError(f"device {device!s} is not supported; use one of cpu, cuda, cuda:N, mps")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DecoderLMError(f"device {device!s}: PyTorch sees no CUDA GPU on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DecoderLMError(f"device {device!s}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise DecoderLMError(f"device {device!s}: Apple's MPS backend is not available on this machine; use --device cpu")
+    return dev
 
 
 def resolve_source(source: str | Path) -> Path:
@@ -37,10 +59,17 @@ def resolve_source(source: str | Path) -> Path:
     raise DecoderLMError(f"model {source!s} not found: give a run folder, an HF folder, a .gguf file, or a known name ({', '.join(names.KNOWN)})")
 
 
-def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None) -> tuple[Transformer, object]:
-    """(model in eval mode, tokenizer) from any source decoderlm understands. quantize: "int8" or
-    "int4" weights for faster CPU decoding (see `decoderlm.quantize`)."""
-    model, tokenizer = _load(source, resolve_dtype(dtype))
+def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
+         device: str | torch.device = "cpu") -> tuple[Transformer, object]:
+    """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
+    quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`)."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    if quantize is not None:
+        from decoderlm.quantize import MODES
+
+        if quantize not in MODES:
+            raise DecoderLMError(f"quantize {quantize!r} is not supported; use one of {', '.join(MODES)}")
+    model, tokenizer = _load(source, torch_dtype, torch_device)
     if quantize is not None:
         from decoderlm.quantize import quantize as quantize_weights
 
@@ -48,18 +77,31 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     return model, tokenizer
 
 
-def _load(source: str | Path, torch_dtype: torch.dtype) -> tuple[Transformer, object]:
+def _load(source: str | Path, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, object]:
     path = resolve_source(source)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
-        model, tokenizer = checkpoint.load_model(path)
-        model.to(torch_dtype).init_rope()
-        return model, tokenizer
+        return _load_run(path, torch_dtype, device)
     if path.is_dir() and (path / "config.json").is_file():
         from decoderlm.formats.hf import load_hf
 
-        return load_hf(path, torch_dtype)
+        return load_hf(path, torch_dtype, device)
     if path.is_file() and path.suffix == ".gguf":
         from decoderlm.formats.gguf import load_gguf
 
-        return load_gguf(path, torch_dtype)
+        return load_gguf(path, torch_dtype, device)
     raise DecoderLMError(f"{source} is not a model decoderlm can load: expected a run folder (ckpt.pt), an HF folder (config.json + *.safetensors) or a .gguf file")
+
+
+def _load_run(path: Path, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, object]:
+    """A decoderlm training run folder: the checkpoint's weights copied into a model built on `device`."""
+    from decoderlm.formats import empty_model
+    from decoderlm.tokenizer import CharTokenizer
+
+    state = checkpoint.read(path)
+    model = empty_model(ModelConfig.from_dict(state["config"]), torch_dtype, device)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        problem = " ".join(str(e).split())[:200]
+        raise DecoderLMError(f"checkpoint {path / checkpoint.CKPT_NAME} does not match its own config ({problem}); retrain or restore it") from None
+    return model.eval(), CharTokenizer.from_dict(state["tokenizer"])

@@ -129,7 +129,7 @@ GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu",
 GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
-def _rope(d: dict[str, Any], default_theta: float) -> dict[str, Any]:
+def read_rope(d: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """RoPE fields from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
     params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None) or d.get("rope_theta") or default_theta
@@ -156,8 +156,7 @@ def _window(d: dict[str, Any], mode: str) -> int | None:
         return window
     if not d.get("use_sliding_window", False):
         return None
-    n = d["num_hidden_layers"]
-    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    types = qwen_layer_types(d)
     if all(t == "sliding_attention" for t in types):
         return window
     if all(t == "full_attention" for t in types):
@@ -165,6 +164,13 @@ def _window(d: dict[str, Any], mode: str) -> int | None:
     raise DecoderLMError(f"this {d['model_type']} checkpoint mixes sliding-window and full-attention layers, "
                          "which decoderlm does not support yet; "
                          "set use_sliding_window to false in config.json to run it with full attention")
+
+
+def qwen_layer_types(d: dict[str, Any]) -> list[str]:
+    """Qwen's attention kind per layer when use_sliding_window is on: config.json's layer_types, else
+    sliding from layer max_window_layers on (transformers' default for it: 28)."""
+    n = d["num_hidden_layers"]
+    return list(d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)])
 
 
 def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 1e-6, tie: bool = False,
@@ -178,7 +184,7 @@ def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 
         vocab_size=d["vocab_size"], n_layers=d["num_hidden_layers"], d_model=d["hidden_size"], n_heads=d["num_attention_heads"],
         n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=d.get("head_dim") or head_dim,
         ffn_hidden=d["intermediate_size"], max_seq_len=d.get("max_position_embeddings", 2048),
-        norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **_rope(d, theta),
+        norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **read_rope(d, theta),
         mlp=GATED_ACTS[act], attn_bias=bias, attn_out_bias=bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", tie)), sliding_window=_window(d, window), family=d["model_type"],
     )

@@ -2,9 +2,11 @@
 
 `ModelConfig` describes the families decoderlm can run; `ArchSpec` also describes ones it only
 accounts for (DeepSeek-V3's latent attention, gpt-oss's attention sinks, Gemma's sandwich norms,
-shared experts), so `inspect` reads raw HF config.json dicts itself instead of going through
-`ModelConfig`. A source is a config.json, an HF folder, a .gguf (metadata only), a run folder, a
-preset name or a known name.
+shared experts). A config.json of a family decoderlm runs, and every GGUF header, is read by the
+same code that loads the model (`formats.hf.config_from_hf`, `formats.gguf.gguf_fields`), so
+`inspect` and `load` cannot describe one checkpoint differently; only the other families are read
+here. A source is a config.json, an HF folder, a .gguf (metadata only), a run folder, a preset name
+or a known name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from decoderlm.config import PRESETS, ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.jsonio import read_json
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Families whose HF config leaves tie_word_embeddings to the class default of True.
@@ -134,19 +137,33 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     """An HF config.json dict (any family, runnable by decoderlm or not)."""
+    from decoderlm.formats.families import FAMILIES
+    from decoderlm.formats.hf import config_from_hf
+
     if "text_config" in cfg:  # multimodal wrappers (Gemma-3 4B+): account for the language model
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    if cfg.get("model_type") in FAMILIES:
+        try:
+            return spec_from_model_config(config_from_hf(cfg), source)
+        except DecoderLMError:  # a variant loading refuses (mixed sliding/full or dense/MoE layers, ...): still report it
+            pass
+    return _spec_from_other_hf(cfg, source)
+
+
+def _spec_from_other_hf(cfg: dict[str, Any], source: str) -> ArchSpec:
+    """Families decoderlm does not run, and variants of runnable ones that loading refuses, read generically."""
+    from decoderlm.formats.families import read_rope
+
     family = cfg.get("model_type") or "unknown"
     try:
         d = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
         n_layers = int(_first(cfg, "num_hidden_layers", "n_layer"))
         n_heads = int(_first(cfg, "num_attention_heads", "n_head"))
         vocab = int(cfg["vocab_size"])
-    except (TypeError, KeyError):
+        rope = read_rope(cfg)
+    except (TypeError, KeyError, ValueError):
         raise DecoderLMError(f"{source or 'config'} is not an HF model config (needs hidden_size, num_hidden_layers, num_attention_heads, vocab_size)") from None
     gpt2 = family in GPT2_LIKE
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     spec = ArchSpec(
         family=family, vocab_size=vocab, n_layers=n_layers, d_model=d, n_heads=n_heads,
         n_kv_heads=int(_first(cfg, "num_key_value_heads", default=n_heads)),
@@ -160,8 +177,7 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
         attn_sinks=family == "gpt_oss", learned_positions=int(cfg.get("n_positions", 0)) if gpt2 else 0,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
         max_seq_len=int(_first(cfg, "max_position_embeddings", "n_positions", default=0)),
-        rope_theta=None if gpt2 else float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
-        rope_scaling=None if gpt2 else scaling, source=source,
+        rope_theta=None if gpt2 else rope["rope_theta"], rope_scaling=None if gpt2 else rope["rope_scaling"], source=source,
     )
     _read_windows(cfg, spec)
     _read_moe(cfg, spec)
@@ -175,6 +191,8 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
 
 
 def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    from decoderlm.formats.families import qwen_layer_types
+
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:  # Qwen ships a window it does not use
         return
@@ -187,7 +205,7 @@ def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
     elif spec.family == "gemma2":  # alternating, starting with a local layer
         types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
     elif cfg.get("use_sliding_window"):  # Qwen: only the layers from max_window_layers on
-        types = [SLIDING if i >= int(cfg.get("max_window_layers", 0)) else FULL for i in range(n)]
+        types = qwen_layer_types(cfg)
     else:
         types = None
     if types is not None and SLIDING not in types:
@@ -215,64 +233,31 @@ def _read_moe(cfg: dict[str, Any], spec: ArchSpec) -> None:
 
 
 def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
-    """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model)."""
+    """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model, a read checkpoint)."""
     return ArchSpec(
         family=cfg.family, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in ("swiglu", "geglu"),
         norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm,
         qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias,
         learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
-        max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None, rope_scaling=cfg.rope_scaling,
+        max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+        rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None,
         sliding_window=cfg.sliding_window, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
         moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
     )
 
 
 def spec_from_gguf(path: Path) -> ArchSpec:
-    """GGUF metadata only (no weights are read): the keys llama.cpp writes under the architecture name."""
-    from gguf import GGUFReader
+    """GGUF metadata only (no weights are read), through the loader's own reading of the header."""
+    from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
 
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:
-        raise DecoderLMError(f"cannot read GGUF file {path}: {e}") from None
-
-    def value(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return field.contents() if field is not None else default
-
-    arch = value("general.architecture", "llama")
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise DecoderLMError(f"{path} has no token_embd.weight tensor; is it a language model GGUF?")
-    d, n_heads = int(value(f"{arch}.embedding_length")), int(value(f"{arch}.attention.head_count"))
-    gpt2 = arch == "gpt2"
-    spec = ArchSpec(
-        family=arch, vocab_size=int(tensors["token_embd.weight"].shape[-1]), n_layers=int(value(f"{arch}.block_count")),
-        d_model=d, n_heads=n_heads, n_kv_heads=int(value(f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(value(f"{arch}.attention.key_length", d // n_heads)), ffn_hidden=int(value(f"{arch}.feed_forward_length", 4 * d)),
-        gated_mlp="blk.0.ffn_gate.weight" in tensors or "blk.0.ffn_gate_exps.weight" in tensors,
-        norm="layernorm" if "blk.0.attn_norm.bias" in tensors else "rmsnorm", qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
-        mlp_bias="blk.0.ffn_up.bias" in tensors,
-        learned_positions=int(tensors["position_embd.weight"].shape[-1]) if "position_embd.weight" in tensors else 0,
-        tie_embeddings="output.weight" not in tensors, max_seq_len=int(value(f"{arch}.context_length", 0)),
-        rope_theta=None if gpt2 else float(value(f"{arch}.rope.freq_base", 10000.0)),
-        sliding_window=value(f"{arch}.attention.sliding_window"), source=str(path),
-    )
-    if value(f"{arch}.expert_count"):
-        spec.n_experts, spec.n_experts_per_tok = int(value(f"{arch}.expert_count")), int(value(f"{arch}.expert_used_count"))
-        spec.moe_hidden = int(value(f"{arch}.expert_feed_forward_length", spec.ffn_hidden))
-    return spec
+    reader = open_gguf(path)
+    config = ModelConfig(**gguf_fields(Metadata(reader), {t.name: t for t in reader.tensors}))
+    return spec_from_model_config(config, str(path))
 
 
 def _from_json(path: Path) -> ArchSpec:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DecoderLMError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise DecoderLMError(f"{path} does not hold a config object")
+    cfg = read_json(path, "config file", "give an HF config.json or a ModelConfig .json")
     if "d_model" in cfg and "n_layers" in cfg:  # a decoderlm ModelConfig
         return spec_from_model_config(ModelConfig.from_dict(cfg), str(path))
     return spec_from_hf(cfg, str(path))
