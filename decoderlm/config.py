@@ -56,6 +56,9 @@ class ModelConfig:
     family: str = "custom"
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a hand-written config's "64" or 64.0 fails here, with its name
+            if not fits_annotation(getattr(self, f.name), str(f.type)):
+                raise DecoderLMError(f"config {f.name}={getattr(self, f.name)!r} is not a valid value; it must be {f.type}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -117,6 +120,14 @@ class ModelConfig:
         if str(name).endswith(".json"):
             return cls.from_json(name)
         return cls.from_preset(str(name))
+
+
+def fits_annotation(value: Any, annotation: str) -> bool:
+    """Whether a value read from a file fits a dataclass field's annotation ("int", "float | None",
+    "dict[str, Any] | None", ...): a bool is not an int here, an int is a float."""
+    kinds = {"int": int, "float": (int, float), "bool": bool, "str": str, "None": type(None), "dict": dict, "list": list}
+    allowed = tuple(kinds[t.strip().split("[")[0]] for t in annotation.split("|"))
+    return isinstance(value, allowed) and (not isinstance(value, bool) or bool in allowed)
 
 
 def llama_hidden(d_model: int, multiple_of: int = 256) -> int:

@@ -81,7 +81,7 @@ def _load(source: str | Path, torch_dtype: torch.dtype, device: torch.device) ->
     path = resolve_source(source)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         return _load_run(path, torch_dtype, device)
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and (path / "config.json").exists():  # read_json explains a config.json that is not a file
         from decoderlm.formats.hf import load_hf
 
         return load_hf(path, torch_dtype, device)

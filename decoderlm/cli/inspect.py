@@ -155,10 +155,15 @@ def run_explain(args: argparse.Namespace) -> int:
         tokens = args.text.split()
         if not tokens:
             raise DecoderLMError("--text has no tokens; give a few words")
+        if args.prefix < 0 or args.window < 1:
+            raise DecoderLMError(f"--prefix must be >= 0 and --window >= 1, got {args.prefix} and {args.window}")
         out = explain.plot_masks(tokens, args.prefix, args.window, args.out)
     elif args.what == "attention":
         if not args.prompt:
             raise DecoderLMError("the prompt is empty; give --prompt with some text")
+        n_layers = read_spec(model_source(args)).n_layers  # the header alone: a bad --layer fails before the load
+        if not -n_layers <= args.layer < n_layers:
+            raise DecoderLMError(f"--layer {args.layer} is out of range; this model has layers 0..{n_layers - 1}")
         model, tokenizer = load_model(args)
         out = explain.plot_attention(model, tokenizer, args.prompt, args.layer, args.out)
     else:

@@ -41,13 +41,17 @@ SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """The one reading of an HF config.json: loading, converting and `inspect` all go through it."""
     family = family_of(d.get("model_type"))
+    restore = "restore the checkpoint's original config.json"
     try:
-        return ModelConfig(**family.read(d))
+        fields = family.read(d)
     except KeyError as e:
-        raise DecoderLMError(f"config.json lacks {e.args[0]!r}, which a {family.model_type} config needs; "
-                             "restore the checkpoint's original config.json") from None
+        raise DecoderLMError(f"config.json lacks {e.args[0]!r}, which a {family.model_type} config needs; {restore}") from None
     except (TypeError, ValueError) as e:  # null or a string where a number belongs
-        raise DecoderLMError(f"config.json has a value of the wrong type ({e}); restore the checkpoint's original config.json") from None
+        raise DecoderLMError(f"config.json has a value of the wrong type ({e}); {restore}") from None
+    try:
+        return ModelConfig(**fields)
+    except DecoderLMError as e:
+        raise DecoderLMError(f"config.json has a value of the wrong type or out of range ({e}); {restore}") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:

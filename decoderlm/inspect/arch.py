@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoderlm.config import PRESETS, ModelConfig
+from decoderlm.config import PRESETS, ModelConfig, fits_annotation
 from decoderlm.errors import DecoderLMError
 from decoderlm.jsonio import read_json
 
@@ -145,8 +145,11 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     if cfg.get("model_type") in FAMILIES:
         try:
             return spec_from_model_config(config_from_hf(cfg), source)
-        except DecoderLMError:  # a variant loading refuses (mixed sliding/full or dense/MoE layers, ...): still report it
-            pass
+        except DecoderLMError as refused:  # a variant loading refuses (mixed sliding/full or dense/MoE layers, ...): still report it
+            try:
+                return _spec_from_other_hf(cfg, source)
+            except DecoderLMError:
+                raise refused from None  # the loader's message says more
     return _spec_from_other_hf(cfg, source)
 
 
@@ -277,15 +280,15 @@ def read_spec(source: str | Path) -> ArchSpec:
         return spec_from_gguf(path)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         return spec_from_model_config(ModelConfig.from_dict(checkpoint.read(path)["config"]), str(path))
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and (path / "config.json").exists():  # read_json explains a config.json that is not a file
         return _from_json(path / "config.json")
     raise DecoderLMError(f"{source} is not something inspect can read: give a config.json, an HF folder, a .gguf, a run folder or a preset ({', '.join(PRESETS)})")
 
 
 def with_overrides(spec: ArchSpec, overrides: dict[str, str]) -> ArchSpec:
     """A copy with some fields changed (values parsed as JSON: `n_kv_heads=1`, `sliding_window=null`)."""
-    fields = {f.name for f in dataclasses.fields(ArchSpec)}
-    changes = {}
+    fields = {f.name: f for f in dataclasses.fields(ArchSpec)}
+    changes: dict[str, Any] = {}
     for key, raw in overrides.items():
         if key not in fields:
             raise DecoderLMError(f"cannot override {key!r}; choose from {', '.join(sorted(fields))}")
@@ -293,4 +296,13 @@ def with_overrides(spec: ArchSpec, overrides: dict[str, str]) -> ArchSpec:
             changes[key] = json.loads(raw)
         except json.JSONDecodeError:
             changes[key] = raw
-    return dataclasses.replace(spec, **changes)
+        if not fits_annotation(changes[key], str(fields[key].type)):
+            raise DecoderLMError(f"cannot override {key} with {raw!r}; it must be {fields[key].type}")
+    new = dataclasses.replace(spec, **changes)
+    for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden"):
+        if getattr(new, name) <= 0:
+            raise DecoderLMError(f"override {name}={getattr(new, name)} must be a positive number")
+    if not new.mla and new.n_heads % new.n_kv_heads:
+        raise DecoderLMError(f"n_heads {new.n_heads} must be a multiple of n_kv_heads {new.n_kv_heads}")
+    return new
+
