@@ -18,6 +18,7 @@ from decoderlm.jsonio import read_json
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+QK_NORM_SCOPES = ("head", "all")
 
 
 @dataclass
@@ -45,7 +46,8 @@ class ModelConfig:
     dropout: float = 0.0
     # Family-specific mechanisms (defaults switch them off).
     sliding_window: int | None = None  # attend to at most this many most recent keys
-    qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on queries and keys before RoPE (Qwen3, OLMo-2)
+    qk_norm_scope: str = "head"  # "head": one norm per head, shared by all heads (Qwen3); "all": over all heads at once (OLMo-2)
     n_experts: int = 0  # > 0 → sparse MoE FFN (Mixtral)
     n_experts_per_tok: int = 2
     moe_hidden: int | None = None  # per-expert hidden size (None → ffn_hidden)
@@ -71,7 +73,8 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS)):
+        for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS),
+                                     ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)):
             if value not in allowed:
                 raise DecoderLMError(f"config {name}={value!r} is not supported; use one of {', '.join(allowed)}")
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "max_seq_len"):

@@ -66,16 +66,19 @@ QKV = tuple(row(f"model.{ATTN}.{x}_proj.{{p}}", f"{ATTN}.{x}_proj.{{p}}") for x 
 MLP = tuple(row(f"model.layers.{{i}}.mlp.{x}_proj.{{p}}", f"layers.{{i}}.mlp.{x}_proj.{{p}}") for x in ("gate", "up", "down"))
 
 
-def llama_table(qkv: tuple[Row, ...] = QKV, mlp: tuple[Row, ...] = MLP) -> tuple[Row, ...]:
-    """Llama's names, which its descendants keep; they differ in how q/k/v and the FFN are stored."""
+NORMS = (row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+         row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"))
+
+
+def llama_table(qkv: tuple[Row, ...] = QKV, mlp: tuple[Row, ...] = MLP, norms: tuple[Row, ...] = NORMS) -> tuple[Row, ...]:
+    """Llama's names, which its descendants keep; they differ in how q/k/v, the FFN and the norms are stored."""
     return (
         row("model.embed_tokens.weight", "embed_tokens.weight"),
-        row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+        *norms,
         *qkv,
         row(f"model.{ATTN}.o_proj.{{p}}", f"{ATTN}.o_proj.{{p}}"),
         row(f"model.{ATTN}.q_norm.weight", f"{ATTN}.q_norm.weight"),
         row(f"model.{ATTN}.k_norm.weight", f"{ATTN}.k_norm.weight"),
-        row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
         *mlp,
         row("model.norm.weight", "norm.weight"),
         row("lm_head.weight", "lm_head.weight"),
@@ -101,6 +104,12 @@ PHI3_TABLE = llama_table(
     mlp=(row("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.up_proj.weight"),
          row("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.weight")),
 )
+# OLMo-2 norms each sublayer's output (post_norm): our block's first norm is its post_attention_layernorm,
+# the second its post_feedforward_layernorm.
+OLMO2_TABLE = llama_table(norms=(
+    row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+    row("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
+))
 H = "transformer.h.{i}"
 GPT2_TABLE = (
     row("transformer.wte.weight", "embed_tokens.weight"),
@@ -271,6 +280,10 @@ def _read_gemma(d: dict[str, Any]) -> dict[str, Any]:
         embed_scale=math.sqrt(d["hidden_size"]), norm_offset=1.0)
 
 
+def _read_olmo2(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, eps=1e-5) | dict(qk_norm=True, qk_norm_scope="all", post_norm=True)
+
+
 def _read_gpt2(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("scale_attn_by_inverse_layer_idx") or not d.get("scale_attn_weights", True):
         raise DecoderLMError("this gpt2 checkpoint scales attention differently (scale_attn_by_inverse_layer_idx / scale_attn_weights), "
@@ -302,6 +315,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _read_qwen3_moe, _write_qwen3_moe, QWEN3_MOE_TABLE),
     Family("phi3", "Phi3ForCausalLM", _read_phi3, _write_llama_like, PHI3_TABLE),
     Family("gemma", "GemmaForCausalLM", _read_gemma, _write_llama_like, LLAMA_TABLE),
+    Family("olmo2", "Olmo2ForCausalLM", _read_olmo2, _write_llama_like, OLMO2_TABLE),
 )}
 
 

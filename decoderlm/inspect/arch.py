@@ -46,6 +46,8 @@ class ArchSpec:
     norm_bias: bool = True  # LayerNorm only: a bias beside the weight
     norms_per_layer: int = 2  # 4 with sandwich norms (Gemma-2/3)
     qk_norm: bool = False  # a head_dim norm on q and on k (Qwen3, Gemma-3)
+    qk_norm_all_heads: bool = False  # the q/k norms span all heads' features instead (OLMo-2)
+    post_norm: bool = False  # sublayer outputs are normed before the residual add, inputs are not (OLMo-2)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -122,7 +124,8 @@ class ArchSpec:
             dense = f"; dense FFN in {len(self.dense_layers)} layer(s)" if self.dense_layers else ""
             lines.append(f"MoE: {self.n_experts} experts, {self.n_experts_per_tok} per token{shared}, expert hidden {self.moe_hidden:,}{dense}")
         lines.append("embeddings: tied (lm_head reuses embed_tokens)" if self.tie_embeddings else "embeddings: untied (separate lm_head)")
-        extras = [name for name, on in (("q/k norm", self.qk_norm), ("sandwich norms", self.norms_per_layer == 4),
+        qk = "q/k norm" + (" over all heads" if self.qk_norm_all_heads else "")
+        extras = [name for name, on in ((qk, self.qk_norm), ("sandwich norms", self.norms_per_layer == 4), ("post-norm", self.post_norm),
                                         ("attention sinks", self.attn_sinks), ("q/k/v bias", self.qkv_bias)) if on]
         lines.append(f"norm: {self.norm}" + (f"; {', '.join(extras)}" if extras else ""))
         return lines
@@ -240,7 +243,7 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
     return ArchSpec(
         family=cfg.family, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in ("swiglu", "geglu"),
-        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm,
+        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm, qk_norm_all_heads=cfg.qk_norm_scope == "all", post_norm=cfg.post_norm,
         qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias,
         learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
         max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
