@@ -17,6 +17,7 @@ from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
 from decoderlm.model import Transformer
+from decoderlm.quantize import quantize
 
 DEFAULT_CONTEXT = 8192
 
@@ -129,6 +130,8 @@ def run_check(args: argparse.Namespace) -> int:
             torch.manual_seed(seed)
             with torch.device(device):
                 model = Transformer(config).to(resolve_dtype(args.dtype)).eval()
+            if args.quantize:
+                quantize(model, args.quantize)
             result = _check_model(args.property, model, args, seed)
     else:
         result = _check_model(args.property, load_model(args)[0], args, seed)
