@@ -95,6 +95,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if data.get("extra") == {}:  # run folders saved before the unused `extra` field was removed
+            data = {k: v for k, v in data.items() if k != "extra"}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

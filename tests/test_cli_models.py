@@ -207,3 +207,13 @@ def test_one_json_reader(tmp_path):
     assert read_json(tmp_path / "missing.json", missing_ok=True) == {}
     (tmp_path / "ok.json").write_text('{"a": [1]}')
     assert read_json(tmp_path / "ok.json") == {"a": [1]}
+
+
+def test_run_folders_saved_before_extra_was_removed_still_load(models, tmp_path):
+    state = checkpoint.read(models / "run")
+    state["config"] = state["config"] | {"extra": {}}  # what ModelConfig.to_dict wrote then
+    checkpoint.save(tmp_path, state)
+    old, _ = load(tmp_path)
+    assert old.config == ModelConfig.from_dict(checkpoint.read(models / "run")["config"])
+    with pytest.raises(DecoderLMError, match="unknown ModelConfig fields: extra"):
+        ModelConfig.from_dict(old.config.to_dict() | {"extra": {"x": 1}})  # one that held something is not silently dropped
