@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,11 @@ def models(tmp_path_factory):
     shutil.copytree(root / "hf", broken / "hf-bad-type")
     hf_config = json.loads((root / "hf" / "config.json").read_text())
     (broken / "hf-bad-type" / "config.json").write_text(json.dumps(hf_config | {"num_hidden_layers": "two"}))
+    fixtures = Path(__file__).parent / "fixtures" / "configs"
+    deepseek = json.loads((fixtures / "deepseek-v3.json").read_text())
+    (broken / "deepseek-no-v-head-dim.json").write_text(json.dumps({k: v for k, v in deepseek.items() if k != "v_head_dim"}))
+    oss = json.loads((fixtures / "gpt-oss-20b.json").read_text())
+    (broken / "gpt-oss-window-text.json").write_text(json.dumps(oss | {"sliding_window": "big"}))
     shutil.copytree(root / "run", broken / "run-mismatch")
     other = config.to_dict() | {"n_layers": 2}
     checkpoint.save(broken / "run-mismatch", {"model": model.state_dict(), "config": other, "tokenizer": tok.to_dict(), "step": 0})
@@ -77,6 +83,8 @@ def bad_invocations(m, tmp_path) -> dict[str, tuple[list[str], str]]:
         "config.json value of the wrong type": (["generate", "--model", str(b / "hf-bad-type"), "--prompt", "a"], "wrong type"),
         "config.json value of the wrong type, info": (["info", str(b / "hf-bad-type")], "wrong type"),
         "invalid JSON": (["info", str(b / "invalid.json")], "not valid JSON"),
+        "unrunnable family missing a field": (["info", str(b / "deepseek-no-v-head-dim.json")], "lacks 'v_head_dim'"),
+        "unrunnable family with a text number": (["inspect", str(b / "gpt-oss-window-text.json")], "wrong type"),
         "JSON list": (["inspect", str(b / "list.json")], "not an object"),
         "ModelConfig with a string size": (["check", "causal", "--preset", str(b / "typo.json")], "d_model='128'"),
         "invalid JSON preset": (["check", "overfit", "--preset", str(b / "invalid.json")], "not valid JSON"),

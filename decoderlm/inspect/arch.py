@@ -19,6 +19,9 @@ from typing import Any
 
 from decoderlm.config import PRESETS, ModelConfig, fits_annotation
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats.families import FAMILIES, qwen_layer_types, read_rope
+from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
+from decoderlm.formats.hf import config_from_hf
 from decoderlm.jsonio import read_json
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -140,9 +143,6 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     """An HF config.json dict (any family, runnable by decoderlm or not)."""
-    from decoderlm.formats.families import FAMILIES
-    from decoderlm.formats.hf import config_from_hf
-
     if "text_config" in cfg:  # multimodal wrappers (Gemma-3 4B+): account for the language model
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
     if cfg.get("model_type") in FAMILIES:
@@ -158,8 +158,6 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
 
 def _spec_from_other_hf(cfg: dict[str, Any], source: str) -> ArchSpec:
     """Families decoderlm does not run, and variants of runnable ones that loading refuses, read generically."""
-    from decoderlm.formats.families import read_rope
-
     family = cfg.get("model_type") or "unknown"
     try:
         d = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
@@ -185,20 +183,29 @@ def _spec_from_other_hf(cfg: dict[str, Any], source: str) -> ArchSpec:
         max_seq_len=int(_first(cfg, "max_position_embeddings", "n_positions", default=0)),
         rope_theta=None if gpt2 else rope["rope_theta"], rope_scaling=None if gpt2 else rope["rope_scaling"], source=source,
     )
-    _read_windows(cfg, spec)
-    _read_moe(cfg, spec)
-    if cfg.get("kv_lora_rank"):
-        spec.q_lora_rank = int(cfg.get("q_lora_rank") or 0)
-        spec.kv_lora_rank = int(cfg["kv_lora_rank"])
-        spec.qk_rope_head_dim, spec.qk_nope_head_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
-        spec.v_head_dim = int(cfg["v_head_dim"])
-        spec.head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    try:
+        _read_windows(cfg, spec)
+        _read_moe(cfg, spec)
+        _read_mla(cfg, spec)
+    except KeyError as e:
+        raise DecoderLMError(f"{source or 'config'} lacks {e.args[0]!r}, which its other fields call for; restore the original config.json") from None
+    except (TypeError, ValueError) as e:
+        raise DecoderLMError(f"{source or 'config'} has a value of the wrong type ({e}); restore the original config.json") from None
     return spec
 
 
-def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
-    from decoderlm.formats.families import qwen_layer_types
+def _read_mla(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    """DeepSeek's multi-head latent attention: K/V (and optionally Q) through low-rank latents."""
+    if not cfg.get("kv_lora_rank"):
+        return
+    spec.q_lora_rank = int(cfg.get("q_lora_rank") or 0)
+    spec.kv_lora_rank = int(cfg["kv_lora_rank"])
+    spec.qk_rope_head_dim, spec.qk_nope_head_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    spec.v_head_dim = int(cfg["v_head_dim"])
+    spec.head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
 
+
+def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:  # Qwen ships a window it does not use
         return
@@ -255,8 +262,6 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
 
 def spec_from_gguf(path: Path) -> ArchSpec:
     """GGUF metadata only (no weights are read), through the loader's own reading of the header."""
-    from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
-
     reader = open_gguf(path)
     config = ModelConfig(**gguf_fields(Metadata(reader), {t.name: t for t in reader.tensors}))
     return spec_from_model_config(config, str(path))
