@@ -1,16 +1,14 @@
-"""`decoderlm train`, `decoderlm generate`, `decoderlm info`."""
+"""`decoderlm train`, `decoderlm generate`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import textwrap
 import typing
 
-from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_model_source, add_sampling_flags, load_model, print_stream, sampling_params
 from decoderlm.generate import stream
-from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.train import TrainConfig, train
@@ -24,15 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)", epilog=SAMPLING_EPILOG)
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"run folder, HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    add_model_source(p, default=DEFAULT_MODEL)
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("info", help="print a model's config and parameter count")
-    p.add_argument("model", help="run folder, HF folder, .gguf file or known name")
-    p.set_defaults(func=cmd_info)
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -91,9 +85,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print_stream(tok, tokens, prompt)
     return 0
 
-
-def cmd_info(args: argparse.Namespace) -> int:
-    model, _ = load(args.model)
-    print(json.dumps(model.config.to_dict(), indent=2))
-    print(f"parameters: {model.num_parameters():,} ({model.num_parameters(exclude_embeddings=True):,} without embeddings)")
-    return 0

@@ -25,9 +25,9 @@ import torch
 
 from decoderlm.config import PRESETS
 from decoderlm.errors import DecoderLMError
+from decoderlm.device import DEVICES, resolve_device
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
-DEVICES = ("cpu", "cuda", "mps")
 
 
 def setting(help: str, on_resume: str, default: Any = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -173,14 +173,5 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise DecoderLMError(f"{flag(name)} must be {requirement}, got {value}")
     if cfg.min_lr > cfg.lr:
         raise DecoderLMError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}; the schedule decays from lr down to min_lr")
-    check_device(cfg.device)
+    resolve_device(cfg.device)
     return cfg
-
-
-def check_device(device: str) -> None:
-    if device not in DEVICES:
-        raise DecoderLMError(f"--device {device!r} is not supported; use one of {', '.join(DEVICES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DecoderLMError("--device cuda: torch sees no CUDA GPU here (or was built without CUDA); use --device cpu")
-    if device == "mps" and not torch.backends.mps.is_available():
-        raise DecoderLMError("--device mps: torch sees no Apple GPU here (mps needs macOS on Apple silicon); use --device cpu")
