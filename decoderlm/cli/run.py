@@ -41,6 +41,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         if hints[f.name] is bool:
             p.add_argument(flag(f.name), action="store_true", help=f.metadata["help"])
+        elif hints[f.name] == list[str] | None:
+            p.add_argument(flag(f.name), action="append", default=None, metavar="KEY=VALUE", help=f.metadata["help"])
         else:
             kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))  # X from `X | None`
             p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"], help=flag_help(f))
