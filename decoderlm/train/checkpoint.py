@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         raise DecoderLMError(f"the sharded checkpoint {folder} is missing; restore it from a copy or retrain")
     if optimizer is None:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=folder)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=folder)
         model.load_state_dict(state["model"])
         return
     model_state, optim_state = get_state_dict(model, optimizer)

@@ -110,6 +110,8 @@ def resolve_new(cfg: TrainConfig) -> TrainConfig:
     preset = cfg.preset or ("" if shapes else FIELDS["preset"].metadata["default"])
     values = {name: f.metadata["default"] for name, f in FIELDS.items()} | RECIPES.get(preset, DEFAULT_RECIPE)
     values |= {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}
+    if shapes and cfg.preset is None:
+        values["preset"] = None  # the model comes from --config or --init-from
     if values["decay_steps"] is None:
         values["decay_steps"] = values["max_steps"]
     for key in ("data", "config", "init_from"):  # resume compares them; the cwd may differ then

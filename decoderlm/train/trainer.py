@@ -485,7 +485,7 @@ def plot_loss(history: list[dict[str, Any]], path: Path, run_info: dict[str, Any
     val = [r for r in history if r["val_loss"] is not None]
     ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)",
-           title=f"training loss ({run_info['parameters']:,} parameters, {history[-1].get('tokens_seen', 0):,} tokens)")
+           title=f"training loss ({run_info['parameters']:,} parameters, {history[-1]['tokens_seen'] if history else 0:,} tokens)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,0 +1,119 @@
+"""Models and recipes: presets and config files, init from a model, accumulation, bf16, the optimizer's
+groups, FLOPs accounting, best and last checkpoints."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import decoderlm
+import decoderlm.cli
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.model import Transformer
+from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.train.trainer import flops_per_token, make_optimizer
+from hf_models import make_hf_model
+
+SMALL = dict(batch_size=4, context=16, eval_interval=5, log_interval=1, eval_batches=1, sample_chars=0, max_steps=10)
+TINY = ["n_layers=1", "d_model=32", "n_heads=2", "n_kv_heads=1", "ffn_hidden=64"]
+
+
+def run(corpus, out, **settings) -> dict:
+    return train(TrainConfig(data=str(corpus), out=str(out), **{**SMALL, **settings}))
+
+
+def rows(out) -> list[dict]:
+    return checkpoint.read(out)["history"]
+
+
+def test_seed_char_llama_has_seed_chars_parameter_count_within_5_percent():
+    llama, gpt = (ModelConfig.from_preset(name) for name in ("seed-char-llama", "seed-char"))
+    assert (llama.position, llama.norm, llama.mlp) == ("rope", "rmsnorm", "swiglu")
+    n_llama, n_gpt = (Transformer(c).num_parameters() for c in (llama, gpt))
+    assert abs(n_llama - n_gpt) / n_gpt <= 0.05
+
+
+def test_accumulating_two_micro_batches_equals_one_batch_twice_as_large(corpus, tmp_path):
+    one = run(corpus, tmp_path / "one", preset="llama-tiny", set=TINY, batch_size=4)
+    two = run(corpus, tmp_path / "two", preset="llama-tiny", set=TINY, batch_size=2, grad_accum=2)
+    for a, b in zip(rows(tmp_path / "one"), rows(tmp_path / "two"), strict=True):
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 and a["tokens_seen"] == b["tokens_seen"]
+    sa, sb = one["model"].state_dict(), two["model"].state_dict()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-5
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings():
+    model = Transformer(ModelConfig.from_preset("seed-char"))  # learned positions, biases, LayerNorm, tied head
+    cfg = TrainConfig(weight_decay=0.1, lr=1e-3, beta1=0.9, beta2=0.99)
+    decayed, plain = make_optimizer(model, cfg, torch.device("cpu")).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert decayed_names == {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head" for n in [n + ".weight"]}
+    assert {"embed_tokens.weight", "embed_positions.weight"} <= {names[id(p)] for p in plain["params"]}
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_flops_per_token_counts_every_matmul_weight_and_attention():
+    config = ModelConfig.from_preset("seed-char")
+    d, L, V, T = 128, 4, 65, 64
+    per_layer = 4 * d * d + 2 * d * 4 * d  # q, k, v, o and the MLP's two matrices
+    assert flops_per_token(Transformer(config), T) == 6 * (L * per_layer + V * d) + 12 * L * d * T
+
+
+def test_bf16_autocast_trains_close_to_fp32_but_not_identically(corpus, tmp_path):
+    run(corpus, tmp_path / "a")
+    run(corpus, tmp_path / "b", precision="bf16")
+    fp32, bf16 = rows(tmp_path / "a"), rows(tmp_path / "b")
+    diffs = [abs(a["train_loss"] - b["train_loss"]) for a, b in zip(fp32, bf16)]
+    assert 0 < max(diffs) < 0.05
+    assert bf16[-1]["train_loss"] < bf16[0]["train_loss"]
+
+
+def test_best_and_last_checkpoints_and_save_interval(corpus, tmp_path, monkeypatch):
+    saves = []
+    real_save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda out, state, name="ckpt.pt": saves.append((state["step"], name)) or real_save(out, state, name))
+    run(corpus, tmp_path / "r", max_steps=12, eval_interval=6, save_interval=4)
+    assert [s for s, n in saves if n == "ckpt.pt"] == [4, 6, 8, 12]
+    best = checkpoint.read(tmp_path / "r")["best_val"]
+    assert checkpoint.read_path(tmp_path / "r" / "best.pt")["history"][-1]["val_loss"] == best
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert info["parameters"] == Transformer(ModelConfig.from_dict(checkpoint.read(tmp_path / "r")["config"])).num_parameters()
+    assert rows(tmp_path / "r")[-1]["tokens_seen"] == 12 * 4 * 16
+
+
+def test_config_file_with_set_overrides(corpus, tmp_path):
+    path = tmp_path / "shape.json"
+    ModelConfig.from_preset("llama-tiny").to_json(path)
+    result = run(corpus, tmp_path / "r", config=str(path), set=TINY + ["qk_norm=true"], max_steps=2)
+    config = result["model"].config
+    assert (config.n_layers, config.d_model, config.qk_norm, config.max_seq_len) == (1, 32, True, 16)
+    with pytest.raises(DecoderLMError, match="--set vocab_size is decided by the tokenizer"):
+        run(corpus, tmp_path / "r2", set=["vocab_size=9"])
+    with pytest.raises(DecoderLMError, match="not key=value"):
+        run(corpus, tmp_path / "r3", set=["n_layers"])
+    with pytest.raises(DecoderLMError, match="--preset and --config each choose the model"):
+        run(corpus, tmp_path / "r4", preset="seed-char", config=str(path))
+
+
+def test_init_from_a_run_continues_from_its_weights(corpus, tmp_path):
+    base = run(corpus, tmp_path / "base", max_steps=30)
+    result = run(corpus, tmp_path / "more", init_from=str(tmp_path / "base"), max_steps=2, lr=1e-9, min_lr=0, warmup=0)
+    a, b = base["model"].state_dict(), result["model"].state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # a vanishing lr: the weights stay the loaded ones
+    assert abs(rows(tmp_path / "more")[0]["train_loss"] - rows(tmp_path / "base")[-1]["train_loss"]) < 0.3
+
+
+def test_init_from_an_hf_folder_trains_with_its_bpe_tokenizer_and_the_run_converts_back(corpus, tmp_path, capsys):
+    make_hf_model("llama", tmp_path / "hf")
+    hf_model, hf_tok = decoderlm.load(tmp_path / "hf")
+    run(corpus, tmp_path / "run", init_from=str(tmp_path / "hf"), max_steps=3, context=8)
+    model, tok = decoderlm.load(tmp_path / "run")
+    assert model.config.vocab_size == hf_model.config.vocab_size and tok.encode("To be") == hf_tok.encode("To be")
+    assert decoderlm.cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "back")]) == 0
+    again, _ = decoderlm.load(tmp_path / "back")
+    ids = torch.tensor([tok.encode("To be, or not")])
+    assert torch.allclose(again(ids).logits, model(ids).logits, atol=1e-4)
