@@ -117,3 +117,21 @@ def test_init_from_an_hf_folder_trains_with_its_bpe_tokenizer_and_the_run_conver
     again, _ = decoderlm.load(tmp_path / "back")
     ids = torch.tensor([tok.encode("To be, or not")])
     assert torch.allclose(again(ids).logits, model(ids).logits, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_compile_trains_like_eager(corpus, tmp_path):
+    run(corpus, tmp_path / "eager", max_steps=3)
+    run(corpus, tmp_path / "compiled", max_steps=3, compile=True)
+    for a, b in zip(rows(tmp_path / "eager"), rows(tmp_path / "compiled"), strict=True):
+        assert abs(a["train_loss"] - b["train_loss"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_init_from_the_embedded_gguf_dequantized(corpus, tmp_path):
+    gguf_model, gguf_tok = decoderlm.load("smollm2-135m-instruct")
+    result = run(corpus, tmp_path / "run", init_from="smollm2-135m-instruct", max_steps=1, batch_size=1, context=8, eval_interval=1)
+    assert result["model"].config.n_layers == gguf_model.config.n_layers
+    assert result["val_loss"] < 6  # a pretrained model, not a random one (ln 49152 ≈ 10.8)
+    _, tok = decoderlm.load(tmp_path / "run")
+    assert tok.encode("To be") == gguf_tok.encode("To be")

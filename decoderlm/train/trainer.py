@@ -28,7 +28,7 @@ from tqdm import tqdm
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
-from decoderlm.model.transformer import lm_loss
+from decoderlm.model.transformer import IGNORE_INDEX, lm_loss
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint, distributed
@@ -86,14 +86,19 @@ class LMObjective:
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch
-        return lm_loss(model(x.to(self.device)).logits, y.to(self.device)), y.numel()
+        return lm_loss(model(x.to(self.device)).logits, y.to(self.device)), int((y != IGNORE_INDEX).sum())
 
     def val_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i, batch in enumerate(eval_windows(self.val, self.cfg.context, EVAL_BATCH)):
+        """Each val batch's rows dealt out over the processes, so every process runs the same number of
+        forwards (FSDP gathers weights in each); a process left without rows runs one row that counts for nothing."""
+        rank, size = self.world.rank, self.world.size
+        for i, (x, y) in enumerate(eval_windows(self.val, self.cfg.context, EVAL_BATCH)):
             if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
                 break
-            if i % self.world.size == self.world.rank:
-                yield batch
+            if len(x) <= rank:
+                yield x[:1], torch.full_like(y[:1], IGNORE_INDEX)
+            else:
+                yield x[rank::size], y[rank::size]
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         return {"batch": self.generator.get_state()}
@@ -130,7 +135,8 @@ def evaluate(model: nn.Module, objective: Objective, cfg: TrainConfig, device: t
     for batch in objective.val_batches():
         with autocast(cfg, device):
             loss, n = objective.loss(model, batch)
-        total, count = total + loss.item() * n, count + n
+        if n:
+            total, count = total + loss.item() * n, count + n
     model.train()
     total, count = distributed.all_sum([total, count], world)
     return total / count
