@@ -184,13 +184,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             torch.manual_seed(cfg.seed + world.rank)  # dropout differs per process; the weights above do not
         objective = LMObjective(train_data, val_data, cfg, world, device)
         return fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
-    except torch.distributed.DistError as e:
+    except RuntimeError as e:  # gloo reports a timeout or a closed peer as a plain RuntimeError
+        if not (world.distributed and lost_contact(e)):
+            raise
         step = checkpoint.last_step(out)
         where = f"the last checkpoint in {out} (step {step}) is intact; --resume continues from it" if step is not None else "no checkpoint was saved yet"
         raise DecoderLMError(f"rank {world.rank}: lost contact with the other processes ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200]}); {where}") from None
     finally:
         distributed.teardown(world)
+
+
+def lost_contact(error: RuntimeError) -> bool:
+    """Whether a collective failed because another process died, hung or became unreachable."""
+    text = str(error)
+    return isinstance(error, torch.distributed.DistError) or any(
+        word in text for word in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL"))
 
 
 def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.device) -> nn.Module:
@@ -205,7 +214,9 @@ def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.devic
                 fully_shard(block)
             fully_shard(model)
     elif world.distributed:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # No buffer broadcast: the only buffer (RoPE's frequencies) is computed alike on every process.
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                  forward_sync_buffers=False)
     return torch.compile(net) if cfg.compile else net
 
 
