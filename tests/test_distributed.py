@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import decoderlm
 from decoderlm.train import TrainConfig, checkpoint, train
@@ -116,6 +115,6 @@ def test_a_hung_process_is_a_clear_error_and_the_last_checkpoint_stays_intact(se
     done = torchrun(str(tmp_path / "stall.py"), "train", "--data", str(setup / "corpus.txt"), "--out", str(out), *MODEL,
                     *flags(batch_size=2, **COMMON), "--dist-timeout", "5", check=False)
     assert done.returncode != 0
-    assert f"rank 0: lost contact with the other processes" in done.stderr
+    assert "rank 0: lost contact with the other processes" in done.stderr
     assert f"the last checkpoint in {out} (step 4) is intact; --resume continues from it" in done.stderr
     assert checkpoint.read(out)["step"] == 4

@@ -73,9 +73,13 @@ def test_bf16_autocast_trains_close_to_fp32_but_not_identically(corpus, tmp_path
 
 
 def test_best_and_last_checkpoints_and_save_interval(corpus, tmp_path, monkeypatch):
-    saves = []
-    real_save = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda out, state, name="ckpt.pt": saves.append((state["step"], name)) or real_save(out, state, name))
+    saves, real_save = [], checkpoint.save
+
+    def save(out, state, name="ckpt.pt"):
+        saves.append((state["step"], name))
+        return real_save(out, state, name)
+
+    monkeypatch.setattr(checkpoint, "save", save)
     run(corpus, tmp_path / "r", max_steps=12, eval_interval=6, save_interval=4)
     assert [s for s, n in saves if n == "ckpt.pt"] == [4, 6, 8, 12]
     best = checkpoint.read(tmp_path / "r")["best_val"]

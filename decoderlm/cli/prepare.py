@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="new folder for the shards, tokenizer and manifest.json")
     p.add_argument("--tokenizer", default="char", help="char, bpe:VOCAB (train a byte-level BPE, e.g. bpe:2048), "
                    "or a model (run folder, HF folder, .gguf, known name) whose tokenizer to use (default: char)")
-    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION, help=f"last share of the corpus kept for val (default: {VAL_FRACTION})")
+    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                   help=f"last share of the corpus kept for val (default: {VAL_FRACTION})")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: one per CPU)")
     p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard file (default: {SHARD_TOKENS:,})")
     p.set_defaults(func=cmd_prepare)

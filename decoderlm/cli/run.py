@@ -19,7 +19,8 @@ from decoderlm.train.config import DEFAULT_RECIPE, FIXED, RUN, SESSION, flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model on a text file (char-level) or a prepared folder; torchrun-ready", epilog=resume_rules(),
+    p = sub.add_parser("train", help="train a model on a text file (char-level) or a prepared folder; torchrun-ready",
+                       epilog=resume_rules(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_flags(p)
     p.set_defaults(func=cmd_train)

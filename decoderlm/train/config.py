@@ -72,7 +72,8 @@ class TrainConfig:
     grad_clip: float | None = setting("clip the gradient norm to this (0 = no clipping)", FIXED, 1.0)
     dropout: float | None = setting("dropout probability in [0, 1)", FIXED)
     seed: int | None = setting("seed for the initial weights, batches and dropout", FIXED, 1337)
-    precision: str | None = setting("fp32, or bf16 autocast (matmuls in bfloat16, weights and optimizer in fp32)", FIXED, "fp32", PRECISIONS)
+    precision: str | None = setting("fp32, or bf16 autocast (matmuls in bfloat16, weights and optimizer in fp32)",
+                                    FIXED, "fp32", PRECISIONS)
     fsdp: bool = switch("shard parameters, gradients and optimizer state across processes (FSDP2) instead of "
                         "replicating them (DDP); checkpoints are then sharded (torch.distributed.checkpoint)", FIXED)
     eval_interval: int | None = setting("evaluate on the val split and save a checkpoint every this many steps", RUN, 250)

@@ -180,7 +180,3 @@ def eval_windows(data: np.ndarray | Split, context: int, batch_size: int = EVAL_
         y_all = torch.from_numpy(arr[1:].reshape(n, context))
         for i in range(0, n, batch_size):
             yield x_all[i : i + batch_size], y_all[i : i + batch_size]
-
-
-def split_tokens(split: Split) -> int:
-    return sum(len(shard) for shard in split)

@@ -34,7 +34,7 @@ from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, parse_sets, resolve_new, resolve_resume, run_folder
 from decoderlm.train.data import (EVAL_BATCH, Split, check_sizes, eval_windows, is_data_dir, load_splits, open_data_dir,
-                                  read_corpus, read_manifest, read_windows, split_sizes, token_dtype, window_starts, write_splits)
+                                  read_corpus, read_windows, split_sizes, token_dtype, window_starts, write_splits)
 from decoderlm.train.distributed import World
 from decoderlm.train.schedule import lr_at
 
@@ -170,7 +170,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     `decoderlm.train.config` for what --resume keeps and what it lets change. Under torchrun each
     process runs this same function (see `decoderlm.train.distributed`)."""
     out = Path(run_folder(cfg))
-    world = distributed.setup(cfg.device or FIELDS["device"].metadata["default"], cfg.dist_timeout or FIELDS["dist_timeout"].metadata["default"])
+    default = {name: FIELDS[name].metadata["default"] for name in ("device", "dist_timeout")}
+    world = distributed.setup(cfg.device or default["device"], cfg.dist_timeout or default["dist_timeout"])
     try:
         cfg, state, tokenizer, (train_data, val_data) = open_run(cfg, out, world) if cfg.resume else start_run(cfg, out, world)
         if cfg.threads is not None:
@@ -188,7 +189,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if not (world.distributed and lost_contact(e)):
             raise
         step = checkpoint.last_step(out)
-        where = f"the last checkpoint in {out} (step {step}) is intact; --resume continues from it" if step is not None else "no checkpoint was saved yet"
+        where = (f"the last checkpoint in {out} (step {step}) is intact; --resume continues from it" if step is not None
+                 else "no checkpoint was saved yet")
         raise DecoderLMError(f"rank {world.rank}: lost contact with the other processes ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200]}); {where}") from None
     finally:
@@ -240,7 +242,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
         history, step = state["history"], state["step"]
         window_loss, window_steps = state["window"]
         tokens_seen, best = state.get("tokens_seen", 0), state.get("best_val", float("inf"))
-    n_params = model.num_parameters() if not sharded else sum(int(p.numel()) for p in model.parameters())
+    n_params = model.num_parameters()  # FSDP's sharded parameters report their whole size
     flops = flops_per_token(model, cfg.context)
     peak = peak_flops(cfg, device)
     run_info = {"parameters": n_params, "flops_per_token": flops, "processes": world.size,
@@ -384,7 +386,8 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
 
         init, tokenizer = load(cfg.init_from)
         if cfg.context > init.config.max_seq_len:
-            raise DecoderLMError(f"--context {cfg.context} is longer than {cfg.init_from}'s max_seq_len {init.config.max_seq_len}; lower --context")
+            raise DecoderLMError(f"--context {cfg.context} is longer than {cfg.init_from}'s max_seq_len "
+                                 f"{init.config.max_seq_len}; lower --context")
     if is_data_dir(cfg.data):
         data_tokenizer = load_data_tokenizer(cfg.data)
         if init is not None and not same_vocabulary(tokenizer, data_tokenizer):
@@ -392,7 +395,8 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
                                  f"run decoderlm prepare --tokenizer {cfg.init_from} for it")
         tokenizer = data_tokenizer
         splits = open_data_dir(cfg.data)
-        check_sizes(max(map(len, splits[0]), default=0), sum(map(len, splits[1])), cfg.context, cfg.eval_batches, f"data folder {cfg.data}")
+        check_sizes(max(map(len, splits[0]), default=0), sum(map(len, splits[1])), cfg.context, cfg.eval_batches,
+                    f"data folder {cfg.data}")
     else:
         text = read_corpus(cfg.data)
         if init is None:
