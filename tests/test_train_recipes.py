@@ -1,10 +1,15 @@
 """Models and recipes: presets and config files, init from a model, accumulation, bf16, the optimizer's
 groups, FLOPs accounting, best and last checkpoints."""
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
+from hf_models import make_hf_model
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import decoderlm
@@ -13,8 +18,9 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
 from decoderlm.train import TrainConfig, checkpoint, train
-from decoderlm.train.trainer import flops_per_token, make_optimizer
-from hf_models import make_hf_model
+from decoderlm.train.data import read_windows, window_starts
+from decoderlm.train.distributed import World
+from decoderlm.train.trainer import LMObjective, flops_per_token, make_optimizer
 
 SMALL = dict(batch_size=4, context=16, eval_interval=5, log_interval=1, eval_batches=1, sample_chars=0, max_steps=10)
 TINY = ["n_layers=1", "d_model=32", "n_heads=2", "n_kv_heads=1", "ffn_hidden=64"]
@@ -139,3 +145,27 @@ def test_init_from_the_embedded_gguf_dequantized(corpus, tmp_path):
     assert result["val_loss"] < 6  # a pretrained model, not a random one (ln 49152 ≈ 10.8)
     _, tok = decoderlm.load(tmp_path / "run")
     assert tok.encode("To be") == gguf_tok.encode("To be")
+
+
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=5), st.integers(1, 8), st.integers(0, 2**31))
+def test_windows_lie_inside_one_shard(lengths, context, seed):
+    split = [np.arange(n, dtype=np.uint16) + 1000 * i for i, n in enumerate(lengths)]
+    if all(n <= context for n in lengths):
+        with pytest.raises(DecoderLMError, match="fewer than context"):
+            window_starts(split, 4, context, torch.Generator().manual_seed(seed))
+        return
+    x, y = read_windows(split, window_starts(split, 16, context, torch.Generator().manual_seed(seed)), context)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y - x, torch.ones_like(x))  # consecutive ids: never across a shard boundary (ids jump by ~1000)
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3))
+def test_the_processes_micro_batches_partition_one_processs_batch(world_size, accum, batch):
+    """What N processes with grad_accum A read in one step is exactly the windows of one process with batch N·A·B."""
+    data = [np.arange(500, dtype=np.uint16)]
+    cfg = TrainConfig(batch_size=batch, grad_accum=accum, context=8, seed=3)
+    ranks = [LMObjective(data, data, cfg, World(r, world_size), torch.device("cpu")).batches() for r in range(world_size)]
+    single = LMObjective(data, data, dataclasses.replace(cfg, batch_size=batch * accum * world_size, grad_accum=1), World(),
+                         torch.device("cpu")).batches()[0][0]
+    mine = torch.cat([ranks[r][m][0] for m in range(accum) for r in range(world_size)])
+    assert torch.equal(mine, single)
