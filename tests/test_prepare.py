@@ -8,6 +8,7 @@ import pytest
 
 import decoderlm
 from conftest import corpus_text, run_cli
+from hf_models import make_hf_model
 from decoderlm.errors import DecoderLMError
 from decoderlm.train import TrainConfig, train
 from decoderlm.train.data import open_data_dir
@@ -90,6 +91,8 @@ def test_bad_jsonl_is_refused_with_its_line(tmp_path, content, message):
 
 def test_bad_arguments_are_refused(tmp_path, sources):
     folder, _ = sources
+    with pytest.raises(DecoderLMError, match="--workers must be a positive integer"):
+        prepare([str(folder)], tmp_path / "o0", workers=0)
     with pytest.raises(DecoderLMError, match="bpe:N with N above 256"):
         prepare([str(folder)], tmp_path / "o1", "bpe:10", workers=1)
     (tmp_path / "full").mkdir()
@@ -101,3 +104,20 @@ def test_bad_arguments_are_refused(tmp_path, sources):
     (tmp_path / "bin.txt").write_bytes(b"ab\0cd")
     with pytest.raises(DecoderLMError, match="NUL bytes"):
         prepare([str(tmp_path / "bin.txt")], tmp_path / "o3", workers=1)
+
+
+def test_a_models_tokenizer_prepares_data_that_init_from_trains_on(sources, tmp_path):
+    folder, _ = sources
+    make_hf_model("llama", tmp_path / "hf")
+    _, hf_tok = decoderlm.load(tmp_path / "hf")
+    prepare([str(folder / "a.txt")], tmp_path / "data", str(tmp_path / "hf"), workers=1)
+    train_split, val_split = open_data_dir(tmp_path / "data")
+    ids = np.concatenate([np.asarray(s) for s in train_split + val_split]).tolist()
+    assert ids == hf_tok.encode(corpus_text(20_000), add_special_tokens=False) + hf_tok.eos_token_ids[:1]
+    result = train(TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), init_from=str(tmp_path / "hf"),
+                               batch_size=2, context=8, max_steps=2, eval_batches=1, sample_chars=0))
+    assert result["step"] == 2
+    prepare([str(folder / "a.txt")], tmp_path / "chars", "char", workers=1)
+    with pytest.raises(DecoderLMError, match="tokenized with another tokenizer"):
+        train(TrainConfig(data=str(tmp_path / "chars"), out=str(tmp_path / "run2"), init_from=str(tmp_path / "hf"),
+                          context=8, max_steps=2, sample_chars=0))

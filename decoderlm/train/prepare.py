@@ -229,6 +229,8 @@ def prepare(paths: list[str], out: str | Path, tokenizer: str = "char", val_frac
     out = Path(out)
     if not 0 < val_fraction < 1:
         raise DecoderLMError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise DecoderLMError(f"--workers must be a positive integer, got {workers}")
     if shard_tokens < 1:
         raise DecoderLMError(f"--shard-tokens must be a positive integer, got {shard_tokens}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
