@@ -20,7 +20,8 @@ from decoderlm.model import Transformer
 from decoderlm.train import TrainConfig, checkpoint, train
 from decoderlm.train.data import read_windows, window_starts
 from decoderlm.train.distributed import World
-from decoderlm.train.trainer import LMObjective, flops_per_token, make_optimizer
+from decoderlm.train.objective import LMObjective
+from decoderlm.train.trainer import flops_per_token, make_optimizer
 
 SMALL = dict(batch_size=4, context=16, eval_interval=5, log_interval=1, eval_batches=1, sample_chars=0, max_steps=10)
 TINY = ["n_layers=1", "d_model=32", "n_heads=2", "n_kv_heads=1", "ffn_hidden=64"]

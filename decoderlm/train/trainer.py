@@ -1,7 +1,7 @@
 """The training loop: AdamW, warmup + cosine schedule, gradient accumulation, clipping, periodic eval
 and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
 
-What a batch is and how its loss is computed is an `Objective` passed to `fit`: `LMObjective` (random
+What a batch is and how its loss is computed is an `Objective` (decoderlm.train.objective) passed to `fit`: `LMObjective` (random
 windows, next-token loss) for pretraining; fine-tuning passes its own (SFT, DPO) to the same loop.
 
 A killed run resumed from its last checkpoint equals an uninterrupted one step for step: the
@@ -16,9 +16,8 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,14 +27,14 @@ from tqdm import tqdm
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
-from decoderlm.model.transformer import IGNORE_INDEX, lm_loss
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, parse_sets, resolve_new, resolve_resume, run_folder
-from decoderlm.train.data import (EVAL_BATCH, Split, check_sizes, eval_windows, is_data_dir, load_splits, open_data_dir,
-                                  read_corpus, read_windows, split_sizes, token_dtype, window_starts, write_splits)
+from decoderlm.train.data import (Split, check_sizes, is_data_dir, load_splits, open_data_dir, read_corpus, split_sizes,
+                                  token_dtype, write_splits)
 from decoderlm.train.distributed import World
+from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.schedule import lr_at
 
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
@@ -44,67 +43,6 @@ RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 RUN_FILES = {checkpoint.CKPT_NAME, checkpoint.BEST_NAME, "train.bin", "val.bin", "log.csv", "log.json", "loss.png", "run.json"}
 RUN_FILES |= {name + ".tmp" for name in RUN_FILES} | {checkpoint.SHARDED_NAME}
 Tokenizer = CharTokenizer | HFTokenizer
-Batch = Any
-
-
-class Objective(Protocol):
-    """What one optimizer step trains on and how its loss is computed: the seam between pretraining and
-    fine-tuning. The loop calls `batches` once per step, `loss` on each micro-batch (under autocast),
-    and `val_batches` to evaluate; its RNG state is checkpointed so resume stays exact."""
-
-    def batches(self) -> list[Batch]:
-        """This process's micro-batches (grad_accum of them) for the next optimizer step."""
-        ...
-
-    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-        """(mean loss over the batch, how many targets it averages over)."""
-        ...
-
-    def val_batches(self) -> Iterator[Batch]:
-        """This process's share of the val batches."""
-        ...
-
-    def rng_state(self) -> dict[str, torch.Tensor]: ...
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None: ...
-
-
-class LMObjective:
-    """Next-token prediction on random windows. Every process draws the same global batch of window
-    starts (one generator, seeded alike) and reads only its own slice: micro-batch m of rank r is
-    windows [(m·world + r)·B, +B), so N processes train on exactly what one process with batch N·B would."""
-
-    def __init__(self, train: Split, val: Split, cfg: TrainConfig, world: World, device: torch.device) -> None:
-        self.train, self.val, self.cfg, self.world, self.device = train, val, cfg, world, device
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        B, world = self.cfg.batch_size, self.world
-        starts = window_starts(self.train, B * self.cfg.grad_accum * world.size, self.cfg.context, self.generator)
-        mine = [starts[(m * world.size + world.rank) * B :][:B] for m in range(self.cfg.grad_accum)]
-        return [read_windows(self.train, part, self.cfg.context) for part in mine]
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        x, y = batch
-        return lm_loss(model(x.to(self.device)).logits, y.to(self.device)), int((y != IGNORE_INDEX).sum())
-
-    def val_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Each val batch's rows dealt out over the processes, so every process runs the same number of
-        forwards (FSDP gathers weights in each); a process left without rows runs one row that counts for nothing."""
-        rank, size = self.world.rank, self.world.size
-        for i, (x, y) in enumerate(eval_windows(self.val, self.cfg.context, EVAL_BATCH)):
-            if self.cfg.eval_batches is not None and i >= self.cfg.eval_batches:
-                break
-            if len(x) <= rank:
-                yield x[:1], torch.full_like(y[:1], IGNORE_INDEX)
-            else:
-                yield x[rank::size], y[rank::size]
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        return {"batch": self.generator.get_state()}
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["batch"])
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
