@@ -1,8 +1,9 @@
 """The training loop: AdamW, warmup + cosine schedule, gradient accumulation, clipping, periodic eval
 and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
 
-What a batch is and how its loss is computed is an `Objective` (decoderlm.train.objective) passed to `fit`: `LMObjective` (random
-windows, next-token loss) for pretraining; fine-tuning passes its own (SFT, DPO) to the same loop.
+What a batch is and how its loss is computed is an `Objective` (decoderlm.train.objective) passed to
+`fit`: `LMObjective` (random windows, next-token loss) for pretraining; fine-tuning passes its own
+(SFT, DPO) to the same loop.
 
 A killed run resumed from its last checkpoint equals an uninterrupted one step for step: the
 checkpoint carries the optimizer, the loss window being averaged and every RNG stream training draws from.
