@@ -31,7 +31,7 @@ def test_train_writes_the_run_folder(run_dir):
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     log = json.loads((run_dir / "log.json").read_text())
     assert log[-1]["step"] == 30 and log[-1]["val_loss"] is not None
-    assert (run_dir / "log.csv").read_text().splitlines()[0] == "step,train_loss,val_loss,lr,tokens_per_s"
+    assert (run_dir / "log.csv").read_text().splitlines()[0] == "step,train_loss,val_loss,lr,tokens_seen,tokens_per_s,mfu"
 
 
 def test_train_prints_the_result_and_a_sample(tmp_path, capsys):

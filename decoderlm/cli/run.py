@@ -11,12 +11,14 @@ from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_model_sou
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
+from decoderlm.tokenizer import CharTokenizer
 from decoderlm.train import TrainConfig, train
 from decoderlm.train.config import DEFAULT_RECIPE, FIXED, RUN, SESSION, flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model on a text file (char-level)", epilog=resume_rules(),
+    p = sub.add_parser("train", help="train a model on a text file (char-level) or a prepared folder; torchrun-ready",
+                       epilog=resume_rules(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_flags(p)
     p.set_defaults(func=cmd_train)
@@ -35,6 +37,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         if hints[f.name] is bool:
             p.add_argument(flag(f.name), action="store_true", help=f.metadata["help"])
+        elif hints[f.name] == list[str] | None:
+            p.add_argument(flag(f.name), action="append", default=None, metavar="KEY=VALUE", help=f.metadata["help"])
         else:
             kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))  # X from `X | None`
             p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"], help=flag_help(f))
@@ -64,6 +68,8 @@ def resume_rules() -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}))
+    if result["model"] is None:  # not rank 0 under torchrun: rank 0 reports
+        return 0
     cfg = result["config"]
     val = "not evaluated yet" if result["val_loss"] is None else f"{result['val_loss']:.4f}"
     speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
@@ -71,9 +77,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, tok = result["model"], result["tokenizer"]
     print("--- sample ---")
     params = SamplingParams(temperature=0.8, top_k=200, max_new_tokens=cfg.sample_chars, seed=cfg.seed)
-    start = tok.encode("\n") if "\n" in tok.stoi else [0]  # a one-line corpus has no newline
+    start = sample_start(tok)
     print_stream(tok, stream(model, start, params))
     return 0
+
+
+def sample_start(tok) -> list[int]:
+    """The sample's first token: a newline (char corpora; a one-line corpus has none, so id 0), or end-of-text."""
+    if isinstance(tok, CharTokenizer):
+        return tok.encode("\n") if "\n" in tok.stoi else [0]
+    return tok.eos_token_ids[:1] or tok.encode("\n", add_special_tokens=False)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
