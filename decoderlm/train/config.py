@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-
 from decoderlm.config import PRESETS
-from decoderlm.errors import DecoderLMError
 from decoderlm.device import DEVICES, resolve_device
+from decoderlm.errors import DecoderLMError
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
 PRECISIONS = ("fp32", "bf16")
