@@ -58,6 +58,30 @@ class ServerProcess:
         return self.proc.returncode
 
 
+class ThreadServer:
+    """uvicorn in a thread of this process, serving `app` (for a model this process has loaded anyway)."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        from decoderlm.cli.serve import bind
+
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
 def metrics(url: str) -> dict[str, float]:
     """Every sample on /metrics, keyed like `name{label="value"}` (labels sorted), or `name`."""
     text = httpx.get(f"{url}/metrics", timeout=10).text

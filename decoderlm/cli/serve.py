@@ -1,14 +1,13 @@
 """`decoderlm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over the batching engine.
 
-The port is bound before the model loads, so a port in use is a one-line error at once. uvicorn
-turns SIGTERM and Ctrl-C into a graceful shutdown; the engine thread is stopped after it.
+The port is bound before the model loads, so a port in use is a one-line error at once. SIGTERM and
+Ctrl-C stop the server cleanly (see `decoderlm.serve.api.serve`), and the command exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import signal
 import socket
 import sys
 
@@ -56,10 +55,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from decoderlm.serve import Engine
-    from decoderlm.serve.api import create_app
+    from decoderlm.serve.api import create_app, serve
 
     if args.max_batch < 1:
         raise DecoderLMError(f"--max-batch must be a positive integer, got {args.max_batch}")
@@ -74,12 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"serving {args.model} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()
         try:
-            config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-            # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
-            # found at start; a no-op one lets the engine stop and the command exit 0.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: None)
-            uvicorn.Server(config).run(sockets=[sock])
+            serve(app, engine, sock)
         finally:
             engine.shutdown()
     finally:

@@ -12,12 +12,15 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -209,8 +212,15 @@ class Server:
     def completion_logprobs(self, deltas: list[Delta], offset: int = 0) -> dict:
         tokens = [self.token_text(d.token_id) for d in deltas]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        top = [{self.token_text(t): lp for t, lp in (d.top_logprobs or [])} for d in deltas]
+        top = [self.top_by_text(d.top_logprobs or []) for d in deltas]
         return {"tokens": tokens, "token_logprobs": [d.logprob for d in deltas], "top_logprobs": top, "text_offset": offsets}
+
+    def top_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """OpenAI's {token text: logprob}; where two ids decode alike the likelier one is kept."""
+        out: dict[str, float] = {}
+        for token_id, logprob in top:
+            out.setdefault(self.token_text(token_id), logprob)
+        return out
 
     def chat_logprobs(self, deltas: list[Delta]) -> dict:
         def entry(token_id: int, logprob: float | None) -> dict:
@@ -490,3 +500,25 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *
 
     app.add_middleware(Door, api_key=api_key, max_body=max_body_bytes, on_reject=rejected)
     return app
+
+
+class _Uvicorn(uvicorn.Server):
+    """Stops the engine as shutdown begins, so streams in flight end at once (finish_reason "abort")
+    instead of holding the shutdown until uvicorn cancels them mid-send."""
+
+    def __init__(self, config: uvicorn.Config, engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+        await super().shutdown(sockets)
+
+
+def serve(app: FastAPI, engine, sock: socket.socket) -> None:
+    """Serve on a bound socket until SIGINT or SIGTERM, then shut down gracefully and return."""
+    # uvicorn re-raises the signal it caught to the handler that was there before it started;
+    # a no-op one lets the caller stop the engine and exit normally.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    _Uvicorn(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), engine).run(sockets=[sock])
