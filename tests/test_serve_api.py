@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -372,11 +373,7 @@ def test_load_with_disconnects_frees_every_block(url, tiny, name):
     asyncio.run(main())
     assert results["ok"] + results["disconnected"] == total and results["disconnected"] >= total // 11
 
-    for _ in range(100):  # aborted sequences leave within an engine step; allow for a busy machine
-        after = metrics(url)
-        if after["decoderlm_kv_blocks_used"] == 0 and after["decoderlm_requests_running"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.05))
+    after = wait_idle(url)
 
     def delta(key: str) -> float:
         return after.get(key, 0) - before.get(key, 0)
@@ -392,6 +389,36 @@ def test_load_with_disconnects_frees_every_block(url, tiny, name):
     assert delta("decoderlm_prompt_tokens_total") >= results["prompt_tokens"]
     assert delta("decoderlm_time_to_first_token_seconds_count") == total
     assert 0 <= after["decoderlm_prefix_cache_hit_rate"] <= 1
+
+
+def wait_idle(url: str) -> dict[str, float]:
+    """/metrics once the engine holds no sequence and no block (aborts land within a step or two)."""
+    for _ in range(200):
+        now = metrics(url)
+        if now["decoderlm_kv_blocks_used"] == 0 and now["decoderlm_requests_running"] == 0 and now["decoderlm_requests_waiting"] == 0:
+            return now
+        time.sleep(0.05)
+    return now
+
+
+def test_non_stream_client_that_leaves_aborts_its_request(url, name):
+    key = 'decoderlm_http_requests_total{outcome="aborted"}'
+    before = wait_idle(url).get(key, 0)
+    body = json.dumps({"model": name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "n": 8}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # a client that hangs up once generation runs
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        while metrics(url)["decoderlm_requests_running"] == 0:
+            time.sleep(0.01)
+    for _ in range(200):
+        after = wait_idle(url)
+        if after.get(key, 0) > before:
+            break
+        time.sleep(0.05)
+    assert after[key] == before + 1
+    assert after['decoderlm_sequences_finished_total{reason="abort"}'] >= 8
+    assert after["decoderlm_kv_blocks_used"] == 0
 
 
 # --- the real SmolLM2-135M-Instruct ----------------------------------------------------------------------

@@ -23,13 +23,13 @@ from typing import TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.sampling import SamplingParams
+from decoderlm.serve.metrics import EngineCollector, Metrics
 from decoderlm.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from decoderlm.serve.text import Delta, Timing, text_deltas
 
@@ -87,52 +87,6 @@ class Door:
         await error_response(413, self._too_large_message(), code="request_too_large")(scope, receive, send)
 
 
-# --- metrics -------------------------------------------------------------------------------------
-
-
-class _EngineCollector:
-    """Engine gauges and counters, read from engine.stats() at scrape time."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def collect(self):
-        s = self.engine.stats()
-        gauges = {"running": ("requests_running", "sequences being generated"), "waiting": ("requests_waiting", "sequences waiting for blocks"),
-                  "kv_blocks_used": ("kv_blocks_used", "KV-cache blocks in use"), "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free"),
-                  "kv_blocks_total": ("kv_blocks_total", "KV-cache blocks in the pool")}
-        for key, (name, doc) in gauges.items():
-            yield GaugeMetricFamily(f"decoderlm_{name}", doc, value=s[key])
-        rate = s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else 0.0
-        yield GaugeMetricFamily("decoderlm_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / prompt tokens looked up", value=rate)
-        counters = {"prompt_tokens": "prompt tokens admitted", "generated_tokens": "tokens generated (including aborted sequences)",
-                    "preemptions": "sequences preempted for lack of blocks", "prefix_cache_hits": "prompt tokens served from the prefix cache",
-                    "prefix_cache_queries": "prompt tokens looked up in the prefix cache"}
-        for key, doc in counters.items():
-            yield CounterMetricFamily(f"decoderlm_{key}", doc, value=s[key])
-
-
-@dataclass
-class Metrics:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.requests = Counter("decoderlm_http_requests", "HTTP generation requests by outcome: ok, aborted (client left), rejected (4xx)",
-                                ["outcome"], registry=r)
-        self.finished = Counter("decoderlm_sequences_finished", "sequences (choices) by finish reason", ["reason"], registry=r)
-        self.completion_tokens = Counter("decoderlm_completion_tokens", "tokens generated for sequences that finished", registry=r)
-        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-        self.ttft = Histogram("decoderlm_time_to_first_token_seconds", "request arrival to first token, per sequence", buckets=buckets, registry=r)
-        self.itl = Histogram("decoderlm_inter_token_latency_seconds", "time between consecutive tokens of a sequence", buckets=buckets, registry=r)
-
-    def observe(self, timing: Timing) -> None:
-        if timing.ttft is not None:
-            self.ttft.observe(timing.ttft)
-        for gap in timing.gaps:
-            self.itl.observe(gap)
-
-
 # --- turning a request into engine sequences ------------------------------------------------------
 
 
@@ -185,6 +139,8 @@ class Server:
 
     def sequences(self, req, prompts: list[list[int]], max_tokens: int | None, arrival: float) -> list[Sequence]:
         """n sequences per prompt; seeded requests give choice i the seed seed + i."""
+        values = self.defaults | req.sampling_values()
+        stop_ids = [] if req.ignore_eos else self.stop_token_ids
         out = []
         for p, ids in enumerate(prompts):
             room = self.max_seq_len - len(ids)
@@ -195,11 +151,10 @@ class Server:
                 raise RequestError(f"max_tokens is {max_tokens} but the prompt ({len(ids)} tokens) leaves room for {room} in the "
                                    f"model's context of {self.max_seq_len}; lower max_tokens", "max_tokens", code="context_length_exceeded")
             for i in range(req.n):
-                values = self.defaults | req.sampling_values()
                 seed = None if req.seed is None else req.seed + i
                 try:
-                    params = SamplingParams(max_new_tokens=max_tokens or room, seed=seed, stop_token_ids=self.stop_token_ids, **values)
-                except DecoderLMError as e:
+                    params = SamplingParams(max_new_tokens=max_tokens or room, seed=seed, stop_token_ids=stop_ids, **values)
+                except DecoderLMError as e:  # a checkpoint default the request did not override
                     raise RequestError(str(e)) from None
                 out.append(Sequence(p * req.n + i, p, ids, params, Timing(arrival)))
         return out
@@ -408,7 +363,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *
     """The app for one started engine. sampling_defaults (the checkpoint's generation_config) fill the
     sampling parameters a request leaves out; OpenAI's defaults (temperature 1, top_p 1) fill the rest."""
     metrics = Metrics()
-    metrics.registry.register(_EngineCollector(engine))
+    metrics.registry.register(EngineCollector(engine))
     server = Server(engine, tokenizer, model_name, max_seq_len, dict(sampling_defaults or {}), metrics)
     app = FastAPI(title="decoderlm", summary="OpenAI-compatible API over decoderlm's batching engine")
     rejected = metrics.requests.labels("rejected").inc

@@ -51,6 +51,7 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's and llama-server's extension: run to max_tokens (for benchmarks)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
