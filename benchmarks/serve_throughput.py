@@ -6,8 +6,9 @@ streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its
 all clients of a level start together. Reported per level: aggregate generated tokens per second
 (all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
 (gaps between streamed chunks), and the throughput as a multiple of one stream. Both servers get
-the same --threads; each level is run --repeats times and the best throughput kept (the machine is
-shared), with latencies from that run.
+the same --threads (1 is the fair choice on a machine other jobs share: llama.cpp's threads spin-wait
+for each other, which collapses when cores are oversubscribed); each level is run --repeats times and
+the best throughput kept, with latencies from that run.
 
 llama-server is optional (`--llama-server PATH`). The binary measured for the README was built from
 the llama.cpp tree vendored in llama-cpp-python's source release, outside the repo:
@@ -43,6 +44,7 @@ from decoderlm.names import DEFAULT_MODEL, locate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "serve_throughput.json"
+LLAMA_SERVER_BUILD = "llama.cpp vendored in llama-cpp-python 0.3.36 (sdist), cmake Release, GGML_NATIVE=ON; see this file's docstring"
 TOPICS = ["the sea", "a lighthouse keeper", "mountains in winter", "a small robot", "the history of bread", "a city at night",
           "learning to swim", "an old library", "the first computer", "a garden in spring", "a train journey", "the moon landing",
           "a chess match", "a forgotten song", "volcanoes", "a friendly dragon"]
@@ -115,7 +117,7 @@ def start_decoderlm(args: argparse.Namespace, port: int) -> tuple[subprocess.Pop
 def start_llama(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, str]:
     slots = max(args.streams)
     cmd = [args.llama_server, "-m", str(locate(DEFAULT_MODEL)), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
-           "--ctx-size", str(slots * 512), "--cont-batching", "--no-webui"]
+           "--ctx-size", str(slots * 512), "--cont-batching", "--ignore-eos", "--no-webui"]
     if args.threads:
         cmd += ["--threads", str(args.threads), "--threads-batch", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -166,13 +168,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
-    results = {"decoderlm": bench("decoderlm", start_decoderlm, args)}
-    if args.llama_server:
-        results["llama-server"] = bench("llama-server", start_llama, args)
-    print(table(results))
+    servers = {"decoderlm": start_decoderlm} | ({"llama-server": start_llama} if args.llama_server else {})
+    results: dict[str, list[dict]] = {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
-                                   "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL, "results": results}, indent=2) + "\n")
+    for name, start in servers.items():
+        results[name] = bench(name, start, args)
+        RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
+                                       "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL,
+                                       "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None, "results": results}, indent=2) + "\n")
+    print(table(results))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 

@@ -226,11 +226,25 @@ def test_logprobs_are_the_models(client, tiny, name):
     assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-4) for c in content)
 
 
+def test_eos_ends_with_stop_unless_ignore_eos(client, tiny, name):
+    _, _, model, tok = tiny
+    eos = tok.eos_token_ids[0]
+    prompts = torch.randint(1, 300, (4096, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = model(prompts).logits[:, -1].argmax(-1)  # (4096,) greedy first tokens
+    prompt = prompts[(first == eos).nonzero()[0, 0]].tolist()  # a prompt whose greedy answer is EOS at once
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=5, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 0)
+    r = client.completions.create(model=name, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 5)
+
+
 def test_penalties_match_generate(client, tiny, name):
     _, _, model, tok = tiny
     ids = tok.encode(PROMPT)
     sampling = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
     text, _, _ = reference(model, tok, ids, 16, **sampling)
+    assert text != reference(model, tok, ids, 16)[0]  # the penalties change this answer
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
                                   extra_body={"repetition_penalty": 1.3})
     assert r.choices[0].text == text
