@@ -18,7 +18,7 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
-    python benchmarks/serve_throughput.py [--llama-server PATH] [--streams 1,4,8,16] [--max-tokens 128] [--threads N]
+    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize int8,int4] [--streams 1,4,8,16] [--threads N]
 
 Writes benchmarks/results/serve_throughput.json and prints a table.
 """
@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -83,7 +84,8 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int) -> dict
     itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["tokens"] for r in runs)
     return {"streams": streams, "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
-            "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95), "itl_p50": percentile(itl, 0.5), "itl_p95": percentile(itl, 0.95)}
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95),
+            "itl_p50": percentile(itl, 0.5), "itl_p95": percentile(itl, 0.95)}
 
 
 def free_port() -> int:
@@ -106,8 +108,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise SystemExit(f"{url} did not become healthy in {timeout} s")
 
 
-def start_decoderlm(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, str]:
+def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "decoderlm", "serve", "--model", DEFAULT_MODEL, "--port", str(port), "--max-batch", str(max(args.streams))]
+    cmd += ["--quantize", quantize] if quantize else []
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,7 +136,8 @@ def bench(name: str, start, args: argparse.Namespace) -> list[dict]:
         asyncio.run(run_level(url, model, 1, 8))  # warm-up
         levels = []
         for streams in args.streams:
-            best = max((asyncio.run(run_level(url, model, streams, args.max_tokens)) for _ in range(args.repeats)), key=lambda r: r["tok_s"])
+            runs = [asyncio.run(run_level(url, model, streams, args.max_tokens)) for _ in range(args.repeats)]
+            best = max(runs, key=lambda r: r["tok_s"])
             print(f"{name:>12} {streams:>2} streams: {best['tok_s']:7.1f} tok/s", flush=True)
             levels.append(best)
         for level in levels:
@@ -151,12 +155,14 @@ def table(results: dict[str, list[dict]]) -> str:
     lines = ["| server | streams | tok/s | × 1 stream | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |", "|---|---:|---:|---:|---:|---:|"]
     for name, levels in results.items():
         for r in levels:
-            lines.append(f"| {name} | {r['streams']} | {r['tok_s']:.1f} | {r['ratio_to_1']:.2f} | {1e3 * r['ttft_p50']:.0f} / {1e3 * r['ttft_p95']:.0f} "
-                         f"| {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p95']:.0f} |")
-    if len(results) == 2:
-        (a, la), (b, lb) = results.items()
-        lines += ["", f"| streams | {a} / {b} throughput |", "|---:|---:|"]
-        lines += [f"| {x['streams']} | {x['tok_s'] / y['tok_s']:.2f} |" for x, y in zip(la, lb)]
+            ms = {k: round(1e3 * r[k]) for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
+            lines.append(f"| {name} | {r['streams']} | {r['tok_s']:.1f} | {r['ratio_to_1']:.2f} | {ms['ttft_p50']} / {ms['ttft_p95']} "
+                         f"| {ms['itl_p50']} / {ms['itl_p95']} |")
+    if "llama-server" in results and len(results) > 1:
+        ours = [name for name in results if name != "llama-server"]
+        lines += ["", "| streams | " + " | ".join(f"{name} / llama-server" for name in ours) + " |", "|---:|" + "---:|" * len(ours)]
+        for i, ref in enumerate(results["llama-server"]):
+            lines.append(f"| {ref['streams']} | " + " | ".join(f"{results[name][i]['tok_s'] / ref['tok_s']:.2f}" for name in ours) + " |")
     return "\n".join(lines)
 
 
@@ -167,15 +173,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--quantize", type=lambda s: s.split(","), default=[], help="also serve with these --quantize modes, e.g. int8,int4")
     args = p.parse_args()
-    servers = {"decoderlm": start_decoderlm} | ({"llama-server": start_llama} if args.llama_server else {})
+    servers = {"decoderlm": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
+    servers |= {"llama-server": start_llama} if args.llama_server else {}
     results: dict[str, list[dict]] = {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for name, start in servers.items():
         results[name] = bench(name, start, args)
-        RESULTS.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
-                                       "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL,
-                                       "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None, "results": results}, indent=2) + "\n")
+        meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
+                "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL,
+                "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None}
+        RESULTS.write_text(json.dumps(meta | {"results": results}, indent=2) + "\n")
     print(table(results))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 

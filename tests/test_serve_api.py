@@ -183,7 +183,8 @@ def test_stop_string_split_across_tokens_is_not_emitted(client, tiny, name):
     text, out, _ = reference(model, tok, tok.encode(PROMPT), 24)
     # a stop string that starts inside one token and ends in the next
     pieces = [tok.decode(out[:i]) for i in range(1, len(out))]
-    cut = next(len(p) for p in pieces if 2 <= len(p) <= len(text) - 2 and p == text[: len(p)] and "\ufffd" not in text[len(p) - 1 : len(p) + 1])
+    cut = next(len(p) for p in pieces
+               if 2 <= len(p) <= len(text) - 2 and p == text[: len(p)] and "\ufffd" not in text[len(p) - 1 : len(p) + 1])
     stop = text[cut - 1 : cut + 1]
     expected = text[: text.find(stop)]
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "never-seen-stop"])
@@ -197,7 +198,8 @@ def test_n_choices_get_seed_plus_i(client, name):
     many = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=7, extra_body={"top_k": 50})
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     for c in many.choices:
-        alone = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7 + c.index, extra_body={"top_k": 50})
+        alone = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7 + c.index,
+                                          extra_body={"top_k": 50})
         assert alone.choices[0].text == c.text
     assert len({c.text for c in many.choices}) > 1  # three seeds, three samples
     assert many.usage.prompt_tokens == client.completions.create(model=name, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
@@ -294,7 +296,8 @@ BAD = [  # (route, body or raw bytes, headers, status, param)
     ("chat/completions", CHAT | {"messages": [{"content": "hi"}]}, {}, 400, "messages.0.role"),
     ("chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, {}, 400, "messages.0.role"),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": 5}]}, {}, 400, None),
-    ("chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400, None),
+    ("chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400,
+     None),
     ("chat/completions", CHAT | {"top_logprobs": 2}, {}, 400, "top_logprobs"),
     ("chat/completions", CHAT | {"max_completion_tokens": 0}, {}, 400, "max_completion_tokens"),
     ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tools"),

@@ -78,7 +78,8 @@ class _Sampling(_Strict):
 
     def sampling_values(self) -> dict:
         """The SamplingParams fields the client set (the checkpoint's defaults fill the rest)."""
-        values = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty") if getattr(self, name) is not None}
+        names = ("temperature", "top_p", "min_p", "repetition_penalty")
+        values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.top_k is not None:
             values["top_k"] = max(self.top_k, 0)
         return values | {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
