@@ -123,7 +123,8 @@ class PagedCache:
     Its block table must already cover context + new tokens.
 
     Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
-    and unwritten slots by position, so rows of any length share one SDPA call."""
+    and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
+    write into the null block, which no table really uses."""
 
     def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], new_lens: Sequence[int]) -> None:
         bs, device = pool.block_size, pool.k[0].device
@@ -141,8 +142,7 @@ class PagedCache:
         is_new = torch.tensor([[False] * (T - n) + [True] * n for n in new_lens], device=device)
         new_slots = self.read_slots.gather(1, self.q_pos)  # (B, T)
         self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
-        self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L)
-        self.key_valid = self.k_pos < torch.tensor(totals, device=device)[:, None]  # (B, L)
+        self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
         self.lengths, self.totals = list(context_lens), totals
 
@@ -150,7 +150,8 @@ class PagedCache:
         return self.q_pos
 
     def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return build_mask(self.q_pos, self.k_pos, window, dtype, self.key_valid)  # (B, 1, T, L)
+        # Causality alone hides the slots not yet written: they hold positions after every query.
+        return build_mask(self.q_pos, self.k_pos, window, dtype)  # (B, 1, T, L)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) into their slots; gather every row's keys/values (B, Hkv, L, D)."""
