@@ -19,6 +19,7 @@ from decoderlm.sampling import SamplingParams, sample, sample_batch
 from decoderlm.serve import Engine, TokenOutput
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+pytestmark = pytest.mark.timeout(600)  # a stuck engine thread fails the test instead of hanging the suite
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,43 @@ def test_abort_frees_blocks_within_one_step(model):
         outputs = list(stream)
         assert check_ends_once(outputs) == "abort" and stream.aborted and outputs[-1].token_id is None
     assert engine.stats()["aborted"] == 2 and engine.stats()["finished"] == 0
+
+
+def test_an_abort_racing_the_last_token_is_harmless(model):
+    engine = Engine(model, num_blocks=10, block_size=4)
+    stream = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=1), request_id="r")
+    forward = engine._forward
+
+    def racing(chunks):
+        engine.abort("r")  # the client gives up while its last token is being computed
+        return forward(chunks)
+
+    engine._forward = racing
+    drain(engine)
+    assert check_ends_once(list(stream)) == "length"
+    assert engine.stats()["finished"] == 1 and engine.stats()["aborted"] == 0
+
+
+def test_a_failing_step_aborts_its_requests_and_the_loop_serves_on(model, caplog):
+    engine = Engine(model, num_blocks=20, block_size=4)
+    forward = engine._forward
+    failures = iter([RuntimeError("boom")])
+
+    def flaky(chunks):
+        for error in failures:
+            raise error
+        return forward(chunks)
+
+    engine._forward = flaky
+    engine.start()
+    try:
+        broken = list(engine.add_request([1, 2, 3], GREEDY))
+        fine = list(engine.add_request([1, 2, 3], GREEDY))
+    finally:
+        engine.shutdown()
+    assert check_ends_once(broken) == "abort" and "boom" in caplog.text
+    assert tokens(fine) == generate(model, [1, 2, 3], GREEDY)
+    assert_pool_empty(engine)
 
 
 def test_shutdown_aborts_every_unfinished_stream(model):

@@ -301,6 +301,8 @@ class Engine:
     def _finish(self, request_id: str, out: TokenOutput) -> None:
         """The request's last output: it leaves the scheduler and its blocks go back to the pool."""
         with self._cond:
+            if request_id not in self._active:
+                return  # an abort that arrived while the request finished
             seq, stream = self._active.pop(request_id)
             self._counts["aborted" if out.finish_reason == "abort" else "finished"] += 1
         self.scheduler.remove(seq)

@@ -135,12 +135,12 @@ class PagedCache:
             if len(table) * bs < total:
                 raise DecoderLMError(f"a block table of {len(table)} blocks cannot hold {total} tokens")
         tables = torch.tensor([list(t[:width]) + [NULL_BLOCK] * (width - len(t[:width])) for t in block_tables], device=device)  # (B, W)
-        offsets = torch.arange(bs, device=device)
-        self.read_slots = (tables[:, :, None] * bs + offsets).view(B, width * bs)  # (B, L): slot of position j
+        self.blocks = tables.view(-1)  # (B·W,)
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=device)).view(B, width * bs)  # (B, L): slot of position j
         positions = [[0] * (T - n) + list(range(c, c + n)) for c, n in zip(context_lens, new_lens)]
         self.q_pos = torch.tensor(positions, device=device)  # (B, T); padding columns: position 0
         is_new = torch.tensor([[False] * (T - n) + [True] * n for n in new_lens], device=device)
-        new_slots = self.read_slots.gather(1, self.q_pos)  # (B, T)
+        new_slots = slots.gather(1, self.q_pos)  # (B, T)
         self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
         self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
@@ -159,9 +159,10 @@ class PagedCache:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
-        slots = self.read_slots.view(-1)
-        keys = pool_k.index_select(0, slots).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
-        values = pool_v.index_select(0, slots).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
+        # Gather whole blocks (block_size slots in one copy), not single slots.
+        by_block = (self.pool.num_blocks, self.pool.block_size, *pool_k.shape[1:])  # (N, bs, Hkv, D)
+        keys = pool_k.view(by_block).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
+        values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
     def advance(self, n: int) -> None:
