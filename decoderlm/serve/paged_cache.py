@@ -38,9 +38,11 @@ class BlockPool:
     """Per layer, K and V for num_blocks × block_size token slots, and the bookkeeping of who holds
     which block. Slot s of block b is row b·block_size + s of each (slots, Hkv, D) tensor."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if block_size < 1 or num_blocks < 2:
-            raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), got {num_blocks} blocks of {block_size}")
+            raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), "
+                                 f"got {num_blocks} blocks of {block_size}")
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
         shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)  # (slots, Hkv, D)
         # Zeros, not empty: masked slots still enter softmax·V with weight 0, and 0·NaN would be NaN.
@@ -126,7 +128,8 @@ class PagedCache:
     and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
     write into the null block, which no table really uses."""
 
-    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], new_lens: Sequence[int]) -> None:
+    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                 new_lens: Sequence[int]) -> None:
         bs, device = pool.block_size, pool.k[0].device
         B, T = len(new_lens), max(new_lens)
         totals = [c + n for c, n in zip(context_lens, new_lens)]
@@ -149,7 +152,8 @@ class PagedCache:
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.q_pos
 
-    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
         # Causality alone hides the slots not yet written: they hold positions after every query.
         return build_mask(self.q_pos, self.k_pos, window, dtype)  # (B, 1, T, L)
 
