@@ -67,8 +67,10 @@ def test_busy_batch_from_many_threads_gives_each_request_its_solo_tokens(model):
     engine = Engine(model, max_batch=16, num_blocks=1 + 16, block_size=4, prefill_chunk=16)  # 64 slots, < 2 requests' worth each
     engine.start()
     results: dict[int, list[TokenOutput]] = {}
+    together = threading.Barrier(6)
 
     def client(indices: range) -> None:
+        together.wait()
         for i in indices:
             results[i] = list(engine.add_request(ps[i], GREEDY, request_id=f"r{i}"))
 
@@ -287,14 +289,20 @@ def test_async_streams_from_an_event_loop(model):
         stream = engine.add_request(p, GREEDY)  # inside the running loop: outputs come by call_soon_threadsafe
         return [out async for out in stream]
 
+    early = engine.add_request(ps[0], GREEDY)  # made outside any loop: read by `async for` later
+
     async def main():
-        return await asyncio.gather(*(client(p) for p in ps))
+        await asyncio.sleep(0.05)  # some of early's outputs arrive before its reader does
+        return await asyncio.gather(*(client(p) for p in ps), collect(early))
+
+    async def collect(stream):
+        return [out async for out in stream]
 
     try:
         results = asyncio.run(asyncio.wait_for(main(), timeout=120))
     finally:
         engine.shutdown()
-    assert [tokens(r) for r in results] == [generate(model, p, GREEDY) for p in ps]
+    assert [tokens(r) for r in results] == [generate(model, p, GREEDY) for p in ps + ps[:1]]
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(model):
