@@ -75,14 +75,16 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits.scatter(-1, seen, scores)
 
 
-def apply_frequency_presence(logits: torch.Tensor, generated: torch.Tensor, real: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+def apply_frequency_presence(logits: torch.Tensor, generated: torch.Tensor, real: torch.Tensor, frequency: torch.Tensor,
+                             presence: torch.Tensor) -> torch.Tensor:
     """OpenAI's penalties: logit − frequency·count − presence·[count > 0], counted over the generated
     ids (B, S) where `real` (B, S) is 1 (0 marks padding). frequency, presence: (1 or B, 1)."""
     counts = torch.zeros_like(logits).scatter_add_(-1, generated, real.to(logits.dtype))  # (B, V)
     return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
-def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> torch.Tensor:
+def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[Sequence[int]],
+             prompt_lens: Sequence[int]) -> torch.Tensor:
     """Apply each row's penalties: repetition over its whole history `seen` (prompt + generated),
     frequency/presence over the generated part, seen[i][prompt_lens[i]:]. Rows are padded to one
     width with ids that change nothing (the row's own first id; zero weight for the counts)."""
@@ -148,7 +150,8 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     return logits.softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, seen: torch.Tensor | None = None, prompt_len: int = 0) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           seen: torch.Tensor | None = None, prompt_len: int = 0) -> torch.Tensor:
     """Choose the next token for each row of logits (B, V) → (B,). seen (B, S): each row's prompt
     followed by its generated ids (the first prompt_len are the prompt), for the penalties."""
     logits = logits.float()

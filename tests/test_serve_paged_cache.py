@@ -88,7 +88,8 @@ def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, da
     PagedCache per step give the logits each row gets alone through a KVCache with the same chunks."""
     model = tiny_model(**overrides)
     chunks = [data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)) for _ in range(rows)]
-    tokens = [torch.randint(0, model.config.vocab_size, (sum(c),), generator=torch.Generator().manual_seed(i)).tolist() for i, c in enumerate(chunks)]
+    vocab = model.config.vocab_size
+    tokens = [torch.randint(0, vocab, (sum(c),), generator=torch.Generator().manual_seed(i)).tolist() for i, c in enumerate(chunks)]
     pool = BlockPool(model.config, num_blocks=1 + sum(-(-sum(c) // block_size) for c in chunks), block_size=block_size)
     random.Random(data.draw(st.integers(0, 99))).shuffle(pool.free)  # tables point anywhere in the pool
     tables: list[list[int]] = [[] for _ in range(rows)]

@@ -125,8 +125,9 @@ class Engine:
         self.model, self.device = model, model.embed_tokens.weight.device
         dtype = model.embed_tokens.weight.dtype
         if num_blocks is None:
-            memory = kv_cache_memory if kv_cache_memory is not None else min(DEFAULT_KV_MEMORY, max_batch * cfg.max_seq_len * BlockPool.bytes_per_token(cfg, dtype))
-            num_blocks = memory // (block_size * BlockPool.bytes_per_token(cfg, dtype)) + 1  # + the null block
+            per_token = BlockPool.bytes_per_token(cfg, dtype)
+            memory = kv_cache_memory if kv_cache_memory is not None else min(DEFAULT_KV_MEMORY, max_batch * cfg.max_seq_len * per_token)
+            num_blocks = memory // (block_size * per_token) + 1  # + the null block
             if num_blocks < 2:
                 raise DecoderLMError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens; give more memory")
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
@@ -145,19 +146,21 @@ class Engine:
 
     # ---- the caller's side (any thread) ----
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, logprobs: int | None = None, request_id: str | None = None) -> RequestStream:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, logprobs: int | None = None,
+                    request_id: str | None = None) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream. Bad input raises here."""
         params.validate()
         prompt = [int(t) for t in prompt_ids]
-        vocab = self.model.config.vocab_size
+        vocab, context = self.model.config.vocab_size, self.model.config.max_seq_len
         if not prompt:
             raise DecoderLMError("the prompt is empty; give at least one token")
         if not all(0 <= t < vocab for t in prompt):
             raise DecoderLMError(f"prompt token ids must be in [0, {vocab}); check the tokenizer matches the model")
-        if len(prompt) >= self.model.config.max_seq_len:
-            raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the model's context is {self.model.config.max_seq_len}; shorten the prompt")
+        if len(prompt) >= context:
+            raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the model's context is {context}; shorten the prompt")
         if len(prompt) >= self.max_len:
-            raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the KV cache holds {self.max_len}; shorten the prompt or give the engine more kv_cache_memory")
+            raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the KV cache holds {self.max_len}; "
+                                 "shorten the prompt or give the engine more kv_cache_memory")
         if logprobs is not None and not 0 <= logprobs <= vocab:
             raise DecoderLMError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -253,7 +256,8 @@ class Engine:
         """One forward over rows that each feed their next n tokens; each row's last logits (B, V)."""
         T = max(n for _, n in chunks)
         ids = [[0] * (T - n) + seq.token_ids[seq.num_computed : seq.num_computed + n] for seq, n in chunks]  # left-padded
-        cache = PagedCache(self.pool, [seq.block_table for seq, _ in chunks], [seq.num_computed for seq, _ in chunks], [n for _, n in chunks])
+        seqs, news = [seq for seq, _ in chunks], [n for _, n in chunks]
+        cache = PagedCache(self.pool, [seq.block_table for seq in seqs], [seq.num_computed for seq in seqs], news)
         logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1).logits[:, -1]  # (B, V)
         for seq, n in chunks:
             self.scheduler.computed(seq, n)
@@ -301,6 +305,8 @@ class Engine:
     def _finish(self, request_id: str, out: TokenOutput) -> None:
         """The request's last output: it leaves the scheduler and its blocks go back to the pool."""
         with self._cond:
+            if request_id not in self._active:
+                return  # an abort that arrived while the request finished
             seq, stream = self._active.pop(request_id)
             self._counts["aborted" if out.finish_reason == "abort" else "finished"] += 1
         self.scheduler.remove(seq)

@@ -38,9 +38,11 @@ class BlockPool:
     """Per layer, K and V for num_blocks × block_size token slots, and the bookkeeping of who holds
     which block. Slot s of block b is row b·block_size + s of each (slots, Hkv, D) tensor."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         if block_size < 1 or num_blocks < 2:
-            raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), got {num_blocks} blocks of {block_size}")
+            raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), "
+                                 f"got {num_blocks} blocks of {block_size}")
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
         shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)  # (slots, Hkv, D)
         # Zeros, not empty: masked slots still enter softmax·V with weight 0, and 0·NaN would be NaN.
@@ -123,9 +125,11 @@ class PagedCache:
     Its block table must already cover context + new tokens.
 
     Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
-    and unwritten slots by position, so rows of any length share one SDPA call."""
+    and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
+    write into the null block, which no table really uses."""
 
-    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], new_lens: Sequence[int]) -> None:
+    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                 new_lens: Sequence[int]) -> None:
         bs, device = pool.block_size, pool.k[0].device
         B, T = len(new_lens), max(new_lens)
         totals = [c + n for c, n in zip(context_lens, new_lens)]
@@ -134,23 +138,24 @@ class PagedCache:
             if len(table) * bs < total:
                 raise DecoderLMError(f"a block table of {len(table)} blocks cannot hold {total} tokens")
         tables = torch.tensor([list(t[:width]) + [NULL_BLOCK] * (width - len(t[:width])) for t in block_tables], device=device)  # (B, W)
-        offsets = torch.arange(bs, device=device)
-        self.read_slots = (tables[:, :, None] * bs + offsets).view(B, width * bs)  # (B, L): slot of position j
+        self.blocks = tables.view(-1)  # (B·W,)
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=device)).view(B, width * bs)  # (B, L): slot of position j
         positions = [[0] * (T - n) + list(range(c, c + n)) for c, n in zip(context_lens, new_lens)]
         self.q_pos = torch.tensor(positions, device=device)  # (B, T); padding columns: position 0
         is_new = torch.tensor([[False] * (T - n) + [True] * n for n in new_lens], device=device)
-        new_slots = self.read_slots.gather(1, self.q_pos)  # (B, T)
+        new_slots = slots.gather(1, self.q_pos)  # (B, T)
         self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
-        self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L)
-        self.key_valid = self.k_pos < torch.tensor(totals, device=device)[:, None]  # (B, L)
+        self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
         self.lengths, self.totals = list(context_lens), totals
 
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.q_pos
 
-    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return build_mask(self.q_pos, self.k_pos, window, dtype, self.key_valid)  # (B, 1, T, L)
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        # Causality alone hides the slots not yet written: they hold positions after every query.
+        return build_mask(self.q_pos, self.k_pos, window, dtype)  # (B, 1, T, L)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) into their slots; gather every row's keys/values (B, Hkv, L, D)."""
@@ -158,9 +163,10 @@ class PagedCache:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
-        slots = self.read_slots.view(-1)
-        keys = pool_k.index_select(0, slots).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
-        values = pool_v.index_select(0, slots).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
+        # Gather whole blocks (block_size slots in one copy), not single slots.
+        by_block = (self.pool.num_blocks, self.pool.block_size, *pool_k.shape[1:])  # (N, bs, Hkv, D)
+        keys = pool_k.view(by_block).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
+        values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
     def advance(self, n: int) -> None:
