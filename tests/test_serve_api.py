@@ -205,6 +205,14 @@ def test_n_choices_get_seed_plus_i(client, name):
     assert many.usage.prompt_tokens == client.completions.create(model=name, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
 
 
+def test_list_of_prompts_gives_n_choices_per_prompt(client, name):
+    prompts = ["Keys and values", "To be, or not"]
+    r = client.completions.create(model=name, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    alone = [client.completions.create(model=name, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert [(c.index, c.text) for c in r.choices] == [(2 * p + i, alone[p].choices[0].text) for p in range(2) for i in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
 def test_logprobs_are_the_models(client, tiny, name):
     _, _, model, tok = tiny
     ids = tok.encode(PROMPT)
