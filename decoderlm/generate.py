@@ -54,7 +54,7 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
     param = next(model.parameters())
     max_len = model.config.max_seq_len
     ids = list(prompt_ids)
-    seen = torch.tensor([ids], device=param.device) if params.repetition_penalty != 1.0 else None
+    seen = torch.tensor([ids], device=param.device) if params.penalized else None
     generator = params.generator(param.device)
     stop = set(params.stop_token_ids)
     if not params.max_new_tokens:
@@ -64,7 +64,7 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
         model.config, 1, min(len(ids) + params.max_new_tokens - 1, max_len), dtype=param.dtype, device=param.device)
     logits = prefill(model, torch.tensor([ids], device=param.device), cache)
     for n in range(params.max_new_tokens):
-        token = sample(logits, params, generator, seen)  # (1,)
+        token = sample(logits, params, generator, seen, len(prompt_ids))  # (1,)
         tok = int(token)
         if tok in stop:
             return
