@@ -75,15 +75,22 @@ def _load(source: str | Path, torch_dtype: torch.dtype, device: torch.device) ->
 
 
 def _load_run(path: Path, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, object]:
-    """A decoderlm training run folder: the checkpoint's weights copied into a model built on `device`."""
+    """A decoderlm training run folder: the checkpoint's weights copied into a model built on `device`
+    (an FSDP run's shards are gathered whole, in float32, then cast)."""
     from decoderlm.formats import empty_model
-    from decoderlm.tokenizer import CharTokenizer
 
     state = checkpoint.read(path)
-    model = empty_model(ModelConfig.from_dict(state["config"]), torch_dtype, device)
+    config = ModelConfig.from_dict(state["config"])
+    sharded = state.get("sharded")
+    model = empty_model(config, torch.float32 if sharded else torch_dtype, device)
     try:
-        model.load_state_dict(state["model"])
+        if sharded:
+            checkpoint.load_sharded(path / sharded, model)
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError as e:
         problem = " ".join(str(e).split())[:200]
         raise DecoderLMError(f"checkpoint {path / checkpoint.CKPT_NAME} does not match its own config ({problem}); retrain or restore it") from None
-    return model.eval(), CharTokenizer.from_dict(state["tokenizer"])
+    if sharded:
+        model.to(torch_dtype).init_rope()
+    return model.eval(), checkpoint.tokenizer_from_dict(state["tokenizer"])

@@ -10,7 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_model_source, add_sampling_flags, load_model, model_source, print_stream, sampling_params
+from decoderlm.cli.common import (
+    SAMPLING_EPILOG,
+    add_model_flags,
+    add_model_source,
+    add_sampling_flags,
+    load_model,
+    model_source,
+    print_stream,
+    sampling_params,
+)
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL

@@ -9,7 +9,16 @@ import random
 
 import torch
 
-from decoderlm.cli.common import MODEL_HELP, add_model_flags, add_model_source, add_seed_flag, apply_run_flags, check_out_file, load_model, model_source
+from decoderlm.cli.common import (
+    MODEL_HELP,
+    add_model_flags,
+    add_model_source,
+    add_seed_flag,
+    apply_run_flags,
+    check_out_file,
+    load_model,
+    model_source,
+)
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.inspect import checks, explain, report

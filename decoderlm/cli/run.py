@@ -7,7 +7,15 @@ import dataclasses
 import textwrap
 import typing
 
-from decoderlm.cli.common import SAMPLING_EPILOG, add_model_flags, add_model_source, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.common import (
+    SAMPLING_EPILOG,
+    add_model_flags,
+    add_model_source,
+    add_sampling_flags,
+    load_model,
+    print_stream,
+    sampling_params,
+)
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams

@@ -10,7 +10,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from decoderlm.serve.text import Timing
 
-
 # engine.stats() key -> (metric name, help)
 GAUGES = {
     "running": ("requests_running", "sequences being generated"),

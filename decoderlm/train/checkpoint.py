@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import Transformer
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 
@@ -97,17 +95,6 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     if "train_config" in state:
         state["train_config"] = {"decay_steps": state["train_config"]["max_steps"]} | state["train_config"]
     return state
-
-
-def load_model(run_dir: str | Path) -> tuple[Transformer, CharTokenizer | HFTokenizer]:
-    """The trained model (eval mode) and its tokenizer from a run folder."""
-    state = read(run_dir)
-    model = Transformer(ModelConfig.from_dict(state["config"]))
-    if state.get("sharded"):
-        load_sharded(Path(run_dir) / state["sharded"], model)
-    else:
-        model.load_state_dict(state["model"])
-    return model.eval(), tokenizer_from_dict(state["tokenizer"])
 
 
 # --- FSDP runs: sharded states (torch.distributed.checkpoint) -------------------------------------

@@ -12,10 +12,9 @@ requested evaluation, so a small corpus is an error at the door rather than at t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch

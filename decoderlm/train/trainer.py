@@ -32,8 +32,17 @@ from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, parse_sets, resolve_new, resolve_resume, run_folder
-from decoderlm.train.data import (Split, check_sizes, is_data_dir, load_splits, open_data_dir, read_corpus, split_sizes,
-                                  token_dtype, write_splits)
+from decoderlm.train.data import (
+    Split,
+    check_sizes,
+    is_data_dir,
+    load_splits,
+    open_data_dir,
+    read_corpus,
+    split_sizes,
+    token_dtype,
+    write_splits,
+)
 from decoderlm.train.distributed import World
 from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.schedule import lr_at
