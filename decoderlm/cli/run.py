@@ -6,6 +6,7 @@ import argparse
 import json
 
 from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.speculative import add_speculative_flags, decoding_from_args
 from decoderlm.config import PRESETS
 from decoderlm.generate import stream
 from decoderlm.loader import load
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
     add_sampling_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="print a model's config and parameter count")
@@ -61,10 +63,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
+    decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
-    tokens = stream(model, tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
+    tokens = decoding.stream(tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
     print_stream(tok, tokens)
+    decoding.report()
     return 0
 
 
