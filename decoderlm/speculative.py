@@ -115,14 +115,18 @@ class PromptLookup:
 
 
 def ngram_lookup(ids: list[int], k: int, max_ngram: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram (n <= max_ngram)."""
+    """k tokens copied from after the latest earlier match of the longest suffix n-gram (n <= max_ngram),
+    or none without a match. The copy reads on into its own guesses, so a match d tokens back guesses
+    that the last d tokens repeat (a loop guesses that it loops on)."""
     seq = torch.tensor(ids)
     for n in range(min(max_ngram, len(ids) - 1), 0, -1):
         # n-grams starting at 0 .. len-1-n: every one but the suffix itself, each followed by a token.
         found = (seq[:-1].unfold(0, n, 1) == seq[-n:]).all(-1).nonzero()
         if len(found):
-            start = int(found[-1]) + n
-            return ids[start : start + k]
+            start, text = int(found[-1]) + n, list(ids)
+            for i in range(k):
+                text.append(text[start + i])
+            return text[len(ids) :]
     return []
 
 

@@ -70,12 +70,21 @@ def test_stop_token_ends_generation_as_in_plain_decoding():
     assert speculative_generate(target, [2, 3], params, DraftModel(target), 4)[0] == free[:stop_at]
 
 
+def test_prompt_lookup_pays_on_repeated_text():
+    target = tiny_model(3)  # its greedy continuation of [2, 3] is the cycle 28 8 28 8 ...
+    params = SamplingParams(max_new_tokens=30, **GREEDY)
+    got, stats = speculative_generate(target, [2, 3], params, PromptLookup(2), 5)
+    assert got == generate(target, [2, 3], params)
+    assert stats.acceptance_rate > 0.8 and stats.target_forwards <= 10
+
+
 def test_prompt_lookup_guesses_from_the_latest_longest_match():
     ids = [1, 2, 3, 9, 1, 2, 4, 8, 5, 2, 3, 7, 1, 2]
     assert ngram_lookup(ids, 3, max_ngram=3) == [4, 8, 5]  # no earlier "7 1 2"; the latest earlier "1 2" is followed by 4 8 5
     assert ngram_lookup(ids + [3], 2, max_ngram=3) == [9, 1]  # "1 2 3" (at 0) beats the later "2 3" (at 9)
     assert ngram_lookup([1, 2, 3], 4, max_ngram=2) == []
-    assert ngram_lookup([4, 4, 4, 4], 5, max_ngram=2) == [4]  # the continuation may run into the suffix itself
+    assert ngram_lookup([4, 4, 4, 4], 5, max_ngram=2) == [4, 4, 4, 4, 4]  # a copy that reaches the end reads its own guesses
+    assert ngram_lookup([7, 1, 2, 3, 1, 2], 5, max_ngram=2) == [3, 1, 2, 3, 1]
 
 
 # --- sampling: the emitted tokens follow the target's distribution ---------------------------------------
