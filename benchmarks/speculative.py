@@ -12,13 +12,14 @@ Engines are interleaved within each repeat and medians are reported. Time covers
 (prefill included), since speculation folds the prefill into its first verification. Greedy output
 of every speculative engine is compared with plain decoding's.
 
-    python benchmarks/speculative.py [--repeats 3] [--new-tokens 64] [--k 5] [--threads 1]
+    python benchmarks/speculative.py [--repeats 3] [--new-tokens 48] [--k 5] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -85,9 +86,9 @@ def timed(run: Engine, ids: list[int], n: int) -> tuple[float, list[int], Specul
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=5, help="tokens guessed per step")
-    ap.add_argument("--draft-layers", type=int, default=8, help="blocks kept in the truncated draft")
+    ap.add_argument("--draft-layers", type=int, default=6, help="blocks kept in the truncated draft")
     ap.add_argument("--threads", type=int, default=1, help="1: on shared cores a second thread mostly waits")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -135,7 +136,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "model": DEFAULT_MODEL, "target_dtype": "float32", "new_tokens": args.new_tokens, "k": args.k, "repeats": args.repeats,
         "threads": args.threads, "draft_layers": args.draft_layers, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "rows": rows,
+        "torch": torch.__version__, "load_average_1m_at_end": os.getloadavg()[0], "rows": rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -245,3 +245,20 @@ def test_cli_bad_speculative_flags_are_one_line(hf_folder, tmp_path, capsys, fla
     flags = [str(other) if f == "OTHER" else f for f in flags]
     code, _, err = run_cli(["generate", "--model", str(hf_folder), "--prompt", "fox", *flags], capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_output_is_unchanged_by_speculation():
+    """On SmolLM2-135M: prompt lookup and an int4 copy as the draft give plain greedy decoding's reply."""
+    from decoderlm.loader import load
+
+    target, tok = load("smollm2-135m-instruct")
+    draft, draft_tok = load("smollm2-135m-instruct", quantize="int4")
+    check_vocabularies(tok, draft_tok)
+    text = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=24, **GREEDY)
+    want = generate(target, ids, params)
+    for proposer in (PromptLookup(3), DraftModel(draft)):
+        got, stats = speculative_generate(target, ids, params, proposer, 5)
+        assert got == want and stats.accepted > 0
