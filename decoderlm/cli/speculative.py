@@ -15,7 +15,7 @@ from decoderlm.speculative import DraftModel, PromptLookup, Proposer, Speculativ
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (same output as plain decoding, fewer target forwards)")
+    g = p.add_argument_group("speculative decoding (plain decoding's greedy output or sampling distribution, in fewer target forwards)")
     g.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
                    help="a smaller model with the same tokenizer guesses tokens that the model checks in one forward")
     g.add_argument("--prompt-lookup", type=int, nargs="?", const=3, default=None, metavar="N",
