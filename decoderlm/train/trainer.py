@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -73,11 +73,40 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = Transformer(config).to(device)
+
+    def window_loss(step: int, batch_rng: torch.Generator) -> torch.Tensor:
+        x, y = get_batch(train_data, cfg.batch_size, cfg.context, batch_rng)
+        return lm_loss(model(x.to(device)).logits, y.to(device))
+
+    def save(loop_state: dict[str, Any]) -> None:
+        checkpoint.save(out, loop_state | {"config": config.to_dict(), "tokenizer": tokenizer.to_dict(), "train_config": dataclasses.asdict(cfg)})
+        try:
+            write_logs(out, loop_state["history"])
+        except OSError as e:
+            raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
+                                 "free space, then --resume") from None
+
+    summary = fit(model, cfg, window_loss, lambda: evaluate(model, val_data, cfg), save, cfg.batch_size * cfg.context, state)
+    return summary | {"config": cfg, "out": str(out), "tokenizer": tokenizer}
+
+
+# What a batch is and how its loss is computed: (step, batch_rng) -> loss. Pretraining draws random
+# windows; fine-tuning (decoderlm.finetune) passes conversations or preference pairs.
+StepLoss = Callable[[int, torch.Generator], torch.Tensor]
+
+
+def fit(model: Transformer, cfg: TrainConfig, step_loss: StepLoss, evaluate: Callable[[], float],
+        save: Callable[[dict[str, Any]], None], tokens_per_step: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loop: schedule, `step_loss`, clip, step, log; `evaluate` and `save` on the eval interval.
+
+    `save` gets the loop's state (model, optimizer, step, rng, history, window); a `state` holding
+    "optimizer" resumes from it. Only parameters with requires_grad train (LoRA freezes the rest)."""
+    device = torch.device(cfg.device)
     optimizer = make_optimizer(model, cfg)
     batch_rng = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, Any]] = []
     step, window_loss, window_steps = 0, 0.0, 0  # the window: train losses since the last log row
-    if "model" in state:
+    if state is not None and "optimizer" in state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"], batch_rng, device)
@@ -85,31 +114,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         window_loss, window_steps = state["window"]
 
     def save_state() -> None:
-        checkpoint.save(out, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "rng": rng_states(batch_rng, device), "config": config.to_dict(), "tokenizer": tokenizer.to_dict(),
-            "train_config": dataclasses.asdict(cfg), "history": history, "window": (window_loss, window_steps),
-        })
-        try:
-            write_logs(out, history)
-        except OSError as e:
-            raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
-                                 "free space, then --resume") from None
+        save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+              "rng": rng_states(batch_rng, device), "history": history, "window": (window_loss, window_steps)})
 
     model.train()
-    tokens_per_step = cfg.batch_size * cfg.context
+    trainable = [p for p in model.parameters() if p.requires_grad]
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     t0 = started = time.perf_counter()
     while step < cfg.max_steps:
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.decay_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch(train_data, cfg.batch_size, cfg.context, batch_rng)
-        loss = lm_loss(model(x.to(device)).logits, y.to(device))
+        loss = step_loss(step, batch_rng)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
         optimizer.step()
         step += 1
         window_loss, window_steps = window_loss + loss.item(), window_steps + 1
@@ -121,7 +141,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             tok_s = window_steps * tokens_per_step / elapsed
             row = {"step": step, "train_loss": window_loss / window_steps, "lr": lr, "tokens_per_s": tok_s, "val_loss": None}
             if evaluating:
-                row["val_loss"] = evaluate(model, val_data, cfg)
+                row["val_loss"] = evaluate()
+                model.train()
             history.append(row)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
             window_loss, window_steps = 0.0, 0
@@ -135,8 +156,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
     vals = [r["val_loss"] for r in history if r["val_loss"] is not None]
     speeds = [r["tokens_per_s"] for r in history]
-    return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started, "config": cfg,
-            "tokens_per_s": float(np.median(speeds)) if speeds else None, "out": str(out), "model": model.eval(), "tokenizer": tokenizer}
+    return {"step": step, "val_loss": vals[-1] if vals else None, "seconds": time.perf_counter() - started,
+            "tokens_per_s": float(np.median(speeds)) if speeds else None, "model": model.eval(), "history": history}
 
 
 Splits = tuple[np.ndarray, np.ndarray]
