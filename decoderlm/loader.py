@@ -1,7 +1,8 @@
 """`load(source)`: one place that turns what a user names into (model, tokenizer).
 
-A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a `.gguf`
-file, or a known name (see `decoderlm.names`). Each format's reader lives in `decoderlm.formats`.
+A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a LoRA adapter
+folder (merged into the base it names), a `.gguf` file, or a known name (see `decoderlm.names`).
+Each format's reader lives in `decoderlm.formats`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def _load(source: str | Path, torch_dtype: torch.dtype) -> tuple[Transformer, ob
         model, tokenizer = checkpoint.load_model(path)
         model.to(torch_dtype).init_rope()
         return model, tokenizer
+    if path.is_dir() and (path / "adapter_config.json").is_file():  # a LoRA run: its base with the adapter merged in
+        from decoderlm.finetune.lora import load_merged
+
+        return load_merged(path, torch_dtype)
     if path.is_dir() and (path / "config.json").is_file():
         from decoderlm.formats.hf import load_hf
 

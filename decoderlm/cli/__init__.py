@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.cli import chat, convert, inspect, run
+from decoderlm.cli import chat, convert, finetune, inspect, run
 from decoderlm.errors import DecoderLMError
 
-COMMAND_MODULES = [run, chat, convert, inspect]
+COMMAND_MODULES = [run, chat, convert, inspect, finetune]
 
 
 class _Parser(argparse.ArgumentParser):
