@@ -68,3 +68,17 @@ def test_reward_margin_rises_on_held_out_pairs(tmp_path, lora):
     assert evals[-1]["loss"] < evals[0]["loss"]
     logged = json.loads((tmp_path / "run" / "finetune.json").read_text())["eval"]
     assert logged[-1]["chosen_reward"] == pytest.approx(evals[-1]["chosen_reward"])
+
+
+def test_dpo_cli_logs_rewards(tmp_path, cli, capsys):
+    base = tmp_path / "base"
+    base.mkdir()
+    make_chat_model(base)
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_pairs(8))
+    code = cli(["dpo", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "run"), "--max-steps", "2",
+                "--batch-size", "2", "--lora-rank", "2", "--eval-fraction", "0.25"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "eval: loss 0.6931, chosen_reward 0.0000, rejected_reward 0.0000, margin 0.0000" in captured.err  # log σ(0) before training
+    assert captured.err.count("eval: loss") == 2
+    assert (tmp_path / "run" / "adapter_config.json").is_file()

@@ -179,7 +179,8 @@ def test_sft_cli_run_folder_is_a_model(tmp_path, cli, capsys, lora):
     code = cli(argv + (["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,o_proj"] if lora else []))
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "trainable parameters" in captured.out
+    # rank 4 on q (64→64), v (64→32), o (64→64) in 2 layers: 4·(128 + 96 + 128)·2 adapter weights
+    assert f"trainable parameters: {2816 if lora else sum(p.numel() for p in decoderlm.load(base)[0].parameters()):,} of" in captured.out
     for name in ("log.csv", "log.json", "loss.png", "finetune.json", "tokenizer.json"):
         assert (out / name).is_file()
     assert (out / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
