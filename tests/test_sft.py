@@ -69,7 +69,8 @@ def test_smollm2_mask_matches_transformers(smol_tokenizer, messages, tmp_path):
         elif run:
             runs.append(run)
             run = []
-    assert [smol_tokenizer.tokenizer.decode(r, skip_special_tokens=False) for r in runs] == ["Paris.<|im_end|>", "Rome, since 1871.<|im_end|>"]
+    replies = [smol_tokenizer.tokenizer.decode(r, skip_special_tokens=False) for r in runs]
+    assert replies == ["Paris.<|im_end|>", "Rome, since 1871.<|im_end|>"]
 
 
 def test_gemma_layout_mask_matches_transformers(tmp_path):
@@ -78,7 +79,8 @@ def test_gemma_layout_mask_matches_transformers(tmp_path):
     ids, mask = hf_assistant_mask(tok, CONVERSATION, tok.chat_template, tmp_path)
     assert ex.ids == ids and our_mask(ex) == mask
     assert "<start_of_turn>model" in tok.tokenizer.decode(ex.ids, skip_special_tokens=False)
-    assert tok.tokenizer.decode([t for t, m in zip(ex.ids, mask) if m], skip_special_tokens=False) == "Paris.<end_of_turn>Rome, since 1871.<end_of_turn>"
+    replies = tok.tokenizer.decode([t for t, m in zip(ex.ids, mask) if m], skip_special_tokens=False)
+    assert replies == "Paris.<end_of_turn>Rome, since 1871.<end_of_turn>"
 
 
 TEXT = st.text(alphabet="abc xyz.,!?\n日é", min_size=1, max_size=12).filter(lambda s: s.strip() == s and s)

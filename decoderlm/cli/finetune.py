@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_finetune(args: argparse.Namespace) -> int:
     fields = {f for f in FinetuneConfig.__dataclass_fields__}
     result = finetune(FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields}))
-    print(f"eval loss {result['eval_loss_before']:.4f} -> {result['val_loss']:.4f} after {result['step']} steps; "
-          f"the model is in {result['out']} (load it like any model, e.g. decoderlm chat --model {result['out']})")
+    evaluated = result["val_loss"] == result["val_loss"]  # NaN without an eval split
+    change = f"eval loss {result['eval_loss_before']:.4f} -> {result['val_loss']:.4f} after" if evaluated else "trained"
+    print(f"{change} {result['step']} steps; the model is in {result['out']} "
+          f"(load it like any model: decoderlm chat --model {result['out']})")
     return 0

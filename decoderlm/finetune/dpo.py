@@ -59,4 +59,5 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: fl
     rewards = beta * (policy_logps - reference_logps.detach())  # (2B,)
     chosen, rejected = rewards[:B], rewards[B:]
     loss = -F.logsigmoid(chosen - rejected).mean()
-    return DPOStats(loss, chosen.mean().item(), rejected.mean().item(), (chosen - rejected).mean().item(), (chosen > rejected).float().mean().item())
+    margin = chosen - rejected
+    return DPOStats(loss, chosen.mean().item(), rejected.mean().item(), margin.mean().item(), (margin > 0).float().mean().item())

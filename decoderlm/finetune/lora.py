@@ -135,10 +135,12 @@ def read_adapter_config(folder: str | Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DecoderLMError(f"cannot read {path} ({e}); it should be a PEFT adapter config") from None
-    unsupported = [k for k in ("use_rslora", "use_dora", "fan_in_fan_out") if config.get(k)]
+    unsupported = [k for k in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
+                               "modules_to_save") if config.get(k)]
     if config.get("peft_type", "LORA") != "LORA" or unsupported or not isinstance(config.get("r"), int):
-        raise DecoderLMError(f"{path} is not a plain LoRA adapter ({', '.join(unsupported) or 'peft_type ' + str(config.get('peft_type'))}); "
-                             "decoderlm reads LoRA adapters with an integer r and no rsLoRA/DoRA")
+        what = ", ".join(unsupported) or f"peft_type {config.get('peft_type')}"
+        raise DecoderLMError(f"{path} is not a plain LoRA adapter ({what}); "
+                             "decoderlm reads LoRA adapters with one integer r for all target layers")
     return config
 
 

@@ -137,21 +137,8 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     device = torch.device(cfg.device)
     model.to(device)
 
-    if cfg.method == "sft":
-        rows = pack([len(ex.ids) for ex in train_items], cfg.max_length) if cfg.packing else [[i] for i in range(len(train_items))]
-        make_batch: Callable[[list[int]], Batch] = lambda picked: collate(train_items, [rows[r] for r in picked], pad_id)
-        batch_loss = lambda batch: sft_loss(model, batch.to(device))
-        evaluate = lambda: sft_eval_loss(model, eval_items, cfg.batch_size, pad_id, device)
-        tokens = sum(len(ex.ids) for ex in train_items)
-    else:
-        rows = [[i] for i in range(len(train_items))]
-        reference = reference_model(model, cfg.lora_rank > 0)
-        make_batch = lambda picked: pair_batch([train_items[r] for r in picked], pad_id)
-        batch_loss = lambda batch: dpo_step(model, reference, batch.to(device), cfg.beta, cfg.lora_rank > 0).loss
-        eval_history: list[dict[str, float]] = []
-        evaluate = lambda: dpo_eval(model, reference, eval_items, cfg, pad_id, eval_history)
-        tokens = sum(len(p.chosen.ids) + len(p.rejected.ids) for p in train_items)
-
+    task = (sft_task if cfg.method == "sft" else dpo_task)(model, train_items, eval_items, cfg, pad_id)
+    rows = task.rows
     per_epoch = math.ceil(len(rows) / cfg.batch_size)
     max_steps = cfg.max_steps or cfg.epochs * per_epoch
     loop = loop_config(cfg, max_steps, cfg.eval_interval or per_epoch)
@@ -159,13 +146,13 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     def step_loss(step: int, _rng: torch.Generator) -> torch.Tensor:
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)).tolist()
-        return batch_loss(make_batch(order[k * cfg.batch_size : (k + 1) * cfg.batch_size]))
+        return task.batch_loss([rows[r] for r in order[k * cfg.batch_size : (k + 1) * cfg.batch_size]])
 
     out = Path(cfg.out)
-    no_eval = (lambda: float("nan")) if not eval_items else evaluate
-    before = no_eval()
-    print(f"{len(train_items)} train / {len(eval_items)} eval records; {per_epoch} steps per epoch, {max_steps} steps; "
-          f"eval loss before: {before:.4f}")
+    evaluate = task.evaluate if eval_items else (lambda: float("nan"))
+    before = evaluate()
+    print(f"{len(train_items)} train / {len(eval_items)} eval records; {per_epoch} steps per epoch, {max_steps} steps"
+          + (f"; eval loss before: {before:.4f}" if eval_items else ""))
 
     def save(loop_state: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -177,14 +164,43 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         write_logs(out, loop_state["history"])
         summary = {"settings": dataclasses.asdict(cfg), "step": loop_state["step"], "eval_loss_before": before}
         if cfg.method == "dpo":
-            summary["eval"] = eval_history
+            summary["eval"] = task.eval_history
         (out / "finetune.json").write_text(json.dumps(summary, indent=1) + "\n")
 
-    result = fit(model, loop, step_loss, no_eval, save, int(tokens / len(rows) * cfg.batch_size))
+    result = fit(model, loop, step_loss, evaluate, save, int(task.tokens / len(rows) * cfg.batch_size))
     result |= {"eval_loss_before": before, "out": str(out)}
     if cfg.method == "dpo":
-        result["eval"] = eval_history
+        result["eval"] = task.eval_history
     return result
+
+
+@dataclass
+class Task:
+    """What SFT or DPO makes of the loop: rows of items, a batch's loss, the held-out evaluation."""
+
+    rows: list[list[int]]  # indices into the train items; one row of a batch each
+    batch_loss: Callable[[list[list[int]]], torch.Tensor]  # the rows of one batch -> loss
+    evaluate: Callable[[], float]
+    tokens: int  # in all rows, for the tokens/s figure
+    eval_history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def sft_task(model: Transformer, train: list[Example], held_out: list[Example], cfg: FinetuneConfig, pad_id: int) -> Task:
+    device = torch.device(cfg.device)
+    rows = pack([len(ex.ids) for ex in train], cfg.max_length) if cfg.packing else [[i] for i in range(len(train))]
+    return Task(rows, lambda picked: sft_loss(model, collate(train, picked, pad_id).to(device)),
+                lambda: sft_eval_loss(model, held_out, cfg.batch_size, pad_id, device), sum(len(ex.ids) for ex in train))
+
+
+def dpo_task(model: Transformer, train: list[Pair], held_out: list[Pair], cfg: FinetuneConfig, pad_id: int) -> Task:
+    device, lora = torch.device(cfg.device), cfg.lora_rank > 0
+    reference = reference_model(model, lora)
+    history: list[dict[str, float]] = []
+    return Task([[i] for i in range(len(train))],
+                lambda picked: dpo_step(model, reference, pair_batch([train[i] for (i,) in picked], pad_id).to(device),
+                                        cfg.beta, lora).loss,
+                lambda: dpo_eval(model, reference, held_out, cfg, pad_id, history),
+                sum(len(p.chosen.ids) + len(p.rejected.ids) for p in train), history)
 
 
 @torch.no_grad()

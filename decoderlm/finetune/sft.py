@@ -125,7 +125,8 @@ class Segments:
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.pos
 
-    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
         seg_q, seg_k = self.segments[:, :, None], self.segments[:, None, :]  # (B, T, 1), (B, 1, T)
         q, k = self.pos[:, :, None], self.pos[:, None, :]
         allowed = (seg_q == seg_k) & (seg_k >= 0) & (k <= q)  # same conversation: positions order the slots
