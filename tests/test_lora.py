@@ -111,3 +111,16 @@ def test_bad_targets_and_fused_layers_are_refused(tmp_path):
     apply_lora(model, rank=2, alpha=4, targets=["q_proj"])
     with pytest.raises(DecoderLMError, match="fuses or transposes q_proj"):
         save_adapter(model, tmp_path / "adapter", base="x")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "-1"], "--lora-rank must be an integer >= 0"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be positive"),
+    (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout must be in [0, 1)"),
+])
+def test_bad_lora_flags_are_one_line_errors(tmp_path, cli, capsys, flags, message):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"prompt": "hi", "completion": "hello"}\n')
+    code = cli(["sft", "--model", "smollm2-135m-instruct", "--data", str(data), "--out", str(tmp_path / "run"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1

@@ -73,6 +73,10 @@ def check(cfg: FinetuneConfig) -> None:
             raise DecoderLMError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if not isinstance(cfg.lora_rank, int) or cfg.lora_rank < 0:
         raise DecoderLMError(f"--lora-rank must be an integer >= 0 (0 = full fine-tuning), got {cfg.lora_rank}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise DecoderLMError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_alpha is not None and not cfg.lora_alpha > 0:
+        raise DecoderLMError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
     if not 0 <= cfg.eval_fraction < 1:
         raise DecoderLMError(f"--eval-fraction must be in [0, 1), got {cfg.eval_fraction}")
     if not cfg.beta > 0:
