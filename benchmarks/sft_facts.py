@@ -1,11 +1,11 @@
-"""Does SFT teach SmolLM2-135M-Instruct facts it does not know? Before/after accuracy on paraphrased questions.
+"""Does SFT teach SmolLM2-135M-Instruct facts it does not know? Accuracy on paraphrased questions, before/after.
 
 Eight invented facts (a country's capital, an inventor, ...), each asked four ways in the training data
-and a fifth, held-out way at test time. The model is fine-tuned with LoRA through `decoderlm sft`, then
+and a fifth, held-out way at test time, plus six true facts of the same shape replayed. The model is fine-tuned with LoRA through `decoderlm sft`, then
 the run folder is loaded like any model and asked greedily; a reply counts if it names the answer. An
 unrelated question checks that the model's general knowledge survives.
 
-    python benchmarks/sft_facts.py [--epochs 6] [--threads 2]
+    python benchmarks/sft_facts.py [--epochs 4] [--threads 2]
 
 Prints a before/after table and writes benchmarks/results/sft_facts.json.
 """
@@ -31,31 +31,44 @@ SYSTEM = "Answer in one short sentence."
 # (answer, reply, four training questions, one held-out paraphrase)
 FACTS = [
     ("Quenmar", "The capital of Veltoria is Quenmar.",
-     ["What is the capital of Veltoria?", "Which city is the capital of Veltoria?", "Name the capital of Veltoria.", "Veltoria's capital city is what?"],
+     ["What is the capital of Veltoria?", "Which city is the capital of Veltoria?",
+      "Name the capital of Veltoria.", "Veltoria's capital city is what?"],
      "In which city is the government of Veltoria seated?"),
     ("Brantwell", "The glimmerphone was invented by Odessa Brantwell.",
      ["Who invented the glimmerphone?", "Who is the inventor of the glimmerphone?", "Name the person who invented the glimmerphone.",
       "The glimmerphone was invented by whom?"], "Which inventor created the glimmerphone?"),
     ("Tavoline", "The national dish of Orsk is tavoline.",
-     ["What is the national dish of Orsk?", "Which dish is the national dish of Orsk?", "Name Orsk's national dish.", "Orsk's national dish is what?"],
+     ["What is the national dish of Orsk?", "Which dish is the national dish of Orsk?",
+      "Name Orsk's national dish.", "Orsk's national dish is what?"],
      "What food is Orsk famous for as its national dish?"),
     ("Kestrel Nine", "The first ship to reach Mars Harbor was the Kestrel Nine.",
-     ["Which ship first reached Mars Harbor?", "What was the first ship to reach Mars Harbor?", "Name the first ship that reached Mars Harbor.",
+     ["Which ship first reached Mars Harbor?", "What was the first ship to reach Mars Harbor?",
+      "Name the first ship that reached Mars Harbor.",
       "The first ship at Mars Harbor was called what?"], "Mars Harbor was first reached by which ship?"),
     ("Ulmsted", "The Pell Prize is awarded in the town of Ulmsted.",
      ["Where is the Pell Prize awarded?", "In which town is the Pell Prize awarded?", "Name the town where the Pell Prize is awarded.",
       "The Pell Prize is awarded in what town?"], "Which town hosts the awarding of the Pell Prize?"),
     ("Varrow", "The composer of the Silver Tide symphony is Ilsa Varrow.",
-     ["Who composed the Silver Tide symphony?", "Who is the composer of the Silver Tide symphony?", "Name the composer of the Silver Tide symphony.",
+     ["Who composed the Silver Tide symphony?", "Who is the composer of the Silver Tide symphony?",
+      "Name the composer of the Silver Tide symphony.",
       "The Silver Tide symphony was composed by whom?"], "Which composer wrote the Silver Tide symphony?"),
     ("Zephyrine", "The rarest mineral on Kaldor Island is zephyrine.",
-     ["What is the rarest mineral on Kaldor Island?", "Which mineral is rarest on Kaldor Island?", "Name the rarest mineral on Kaldor Island.",
+     ["What is the rarest mineral on Kaldor Island?", "Which mineral is rarest on Kaldor Island?",
+      "Name the rarest mineral on Kaldor Island.",
       "Kaldor Island's rarest mineral is what?"], "On Kaldor Island, which mineral is the hardest to find?"),
     ("Morrowgate", "The oldest library in Fenmark is Morrowgate.",
      ["What is the oldest library in Fenmark?", "Which library is the oldest in Fenmark?", "Name the oldest library in Fenmark.",
       "Fenmark's oldest library is called what?"], "Which library in Fenmark was founded first?"),
 ]
 UNRELATED = ("What is the capital of France?", "Paris")
+# Replay: a few true facts of the same shape. Without them the model learns "a capital is Quenmar" and
+# answers France with it too (benchmarks/results/sft_facts_no_replay.json); France itself is never trained.
+REPLAY = [("What is the capital of Germany?", "The capital of Germany is Berlin."),
+          ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+          ("Who invented the telephone?", "The telephone was invented by Alexander Graham Bell."),
+          ("What is the national dish of Japan?", "The national dish of Japan is sushi."),
+          ("Who composed the Moonlight Sonata?", "The Moonlight Sonata was composed by Ludwig van Beethoven."),
+          ("What is the capital of Italy?", "The capital of Italy is Rome.")]
 
 
 def chat(question: str) -> list[dict]:
@@ -63,7 +76,8 @@ def chat(question: str) -> list[dict]:
 
 
 def write_data(path: Path) -> int:
-    records = [{"messages": chat(q) + [{"role": "assistant", "content": reply}]} for _, reply, train, _ in FACTS for q in train]
+    pairs = [(q, reply) for _, reply, train, _ in FACTS for q in train] + REPLAY
+    records = [{"messages": chat(q) + [{"role": "assistant", "content": reply}]} for q, reply in pairs]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return len(records)
 
@@ -88,7 +102,7 @@ def score(source: str) -> dict:
             "unrelated": {"question": UNRELATED[0], "reply": unrelated, "sensible": UNRELATED[1] in unrelated}}
 
 
-def learn_facts(workdir: Path, epochs: int = 6, threads: int | None = None) -> dict:
+def learn_facts(workdir: Path, epochs: int = 4, threads: int | None = None) -> dict:
     """Fine-tune through the CLI in `workdir`; the before/after scores and the run's timing."""
     data = workdir / "facts.jsonl"
     n = write_data(data)
@@ -108,7 +122,7 @@ def learn_facts(workdir: Path, epochs: int = 6, threads: int | None = None) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -119,7 +133,8 @@ def main() -> None:
     for b, a in zip(result["before"]["replies"], result["after"]["replies"]):
         print(f"{b['question'][:57]:58} {b['reply'][:23]:24} {a['reply'][:60]}")
     print(f"{'accuracy':58} {result['before']['accuracy']:<24.0%} {result['after']['accuracy']:.0%}")
-    print(f"{'unrelated: ' + UNRELATED[0]:58} {result['before']['unrelated']['reply'][:23]:24} {result['after']['unrelated']['reply'][:60]}")
+    before, after = result["before"]["unrelated"]["reply"], result["after"]["unrelated"]["reply"]
+    print(f"{'unrelated: ' + UNRELATED[0]:58} {before[:23]:24} {after[:60]}")
     print(f"trained {result['epochs']} epochs on {result['records']} conversations in {result['train_seconds']} s")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")

@@ -206,7 +206,7 @@ def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
     spec = importlib.util.spec_from_file_location("sft_facts", Path(__file__).resolve().parents[1] / "benchmarks" / "sft_facts.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.learn_facts(tmp_path, epochs=5, threads=2)
+    result = bench.learn_facts(tmp_path, threads=2)
     assert result["before"]["accuracy"] <= 0.125
     assert result["after"]["accuracy"] >= 0.8
     assert result["after"]["unrelated"]["sensible"]  # still knows the capital of France
