@@ -1,9 +1,10 @@
 """Does SFT teach SmolLM2-135M-Instruct facts it does not know? Accuracy on paraphrased questions, before/after.
 
 Eight invented facts (a country's capital, an inventor, ...), each asked four ways in the training data
-and a fifth, held-out way at test time, plus six true facts of the same shape replayed. The model is fine-tuned with LoRA through `decoderlm sft`, then
-the run folder is loaded like any model and asked greedily; a reply counts if it names the answer. An
-unrelated question checks that the model's general knowledge survives.
+and a fifth, held-out way at test time, plus six true facts of the same shape replayed. The model is
+fine-tuned with LoRA through `decoderlm sft`, then the run folder is loaded like any model and asked
+greedily; a reply counts if it names the answer. An unrelated question (never trained) checks that the
+model's general knowledge survives.
 
     python benchmarks/sft_facts.py [--epochs 4] [--threads 2]
 
