@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.jsonio import read_json
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+QK_NORM_SCOPES = ("head", "all")
 
 
 @dataclass
@@ -44,7 +46,8 @@ class ModelConfig:
     dropout: float = 0.0
     # Family-specific mechanisms (defaults switch them off).
     sliding_window: int | None = None  # attend to at most this many most recent keys
-    qk_norm: bool = False  # RMSNorm on each query/key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on queries and keys before RoPE (Qwen3, OLMo-2)
+    qk_norm_scope: str = "head"  # "head": one norm per head, shared by all heads (Qwen3); "all": over all heads at once (OLMo-2)
     n_experts: int = 0  # > 0 → sparse MoE FFN (Mixtral)
     n_experts_per_tok: int = 2
     moe_hidden: int | None = None  # per-expert hidden size (None → ffn_hidden)
@@ -53,9 +56,11 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
     post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
     family: str = "custom"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a hand-written config's "64" or 64.0 fails here, with its name
+            if not fits_annotation(getattr(self, f.name), str(f.type)):
+                raise DecoderLMError(f"config {f.name}={getattr(self, f.name)!r} is not a valid value; it must be {f.type}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -68,7 +73,8 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS)):
+        for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS),
+                                     ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)):
             if value not in allowed:
                 raise DecoderLMError(f"config {name}={value!r} is not supported; use one of {', '.join(allowed)}")
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "max_seq_len"):
@@ -89,27 +95,44 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if data.get("extra") == {}:  # run folders saved before the unused `extra` field was removed
+            data = {k: v for k, v in data.items() if k != "extra"}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise DecoderLMError(f"unknown ModelConfig fields: {', '.join(unknown)}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:  # a missing field, or a value of the wrong type
+            raise DecoderLMError(f"not a valid ModelConfig ({e}); compare it with a preset's fields (ModelConfig.from_preset(...).to_dict())") from None
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise DecoderLMError(f"cannot read config {path}: {e}") from None
+        return cls.from_dict(read_json(path, "ModelConfig file", "give a file written by ModelConfig.to_json"))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         if name not in PRESETS:
-            raise DecoderLMError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise DecoderLMError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}, or give a ModelConfig .json file")
         return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_name(cls, name: str | Path) -> "ModelConfig":
+        """A preset name, or a ModelConfig .json file: what every --preset flag accepts."""
+        if str(name).endswith(".json"):
+            return cls.from_json(name)
+        return cls.from_preset(str(name))
+
+
+def fits_annotation(value: Any, annotation: str) -> bool:
+    """Whether a value read from a file fits a dataclass field's annotation ("int", "float | None",
+    "dict[str, Any] | None", ...): a bool is not an int here, an int is a float."""
+    kinds = {"int": int, "float": (int, float), "bool": bool, "str": str, "None": type(None), "dict": dict, "list": list}
+    allowed = tuple(kinds[t.strip().split("[")[0]] for t in annotation.split("|"))
+    return isinstance(value, allowed) and (not isinstance(value, bool) or bool in allowed)
 
 
 def llama_hidden(d_model: int, multiple_of: int = 256) -> int:
@@ -123,6 +146,8 @@ GPT2 = dict(norm="layernorm", position="learned", mlp="gelu_tanh", attn_bias=Tru
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's char-level Shakespeare model for CPUs.
     "seed-char": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, norm="layernorm", position="learned", mlp="gelu", attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True, family="gpt2"),
+    # seed-char's size and recipe with Llama's parts (RoPE, RMSNorm, SwiGLU): 800,000 parameters against 809,000.
+    "seed-char-llama": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, ffn_hidden=344, tie_embeddings=True, family="llama"),
     "gpt2-124m": dict(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, max_seq_len=1024, norm_eps=1e-5, **GPT2),
     "llama-tiny": dict(vocab_size=32000, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama"),
     "llama-3.1-8b": dict(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, family="llama"),

@@ -1,7 +1,8 @@
 """Autoregressive generation: prefill the prompt in one forward, then decode one token per step.
 
 Each decode step feeds only the newest token; keys/values of everything before it come from the
-KV cache, so a step costs O(context) attention instead of re-running the whole sequence.
+KV cache, so a step costs O(context) attention instead of re-running the whole sequence. A model
+with a sliding window gets a rolling cache that never holds more than its window.
 """
 
 from __future__ import annotations
@@ -11,25 +12,28 @@ from collections.abc import Iterator
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import KVCache
+from decoderlm.kv_cache import Cache, KVCache, RollingKVCache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, sample
 
 
-def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def prefill(model: Transformer, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Run the whole prompt (B, T) through the model, filling the cache; return last logits (B, V)."""
     return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
-def decode_step(model: Transformer, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Feed one new token per row (B,) at the next position; return its logits (B, V)."""
     return model(token[:, None], cache=cache).logits[:, -1]
 
 
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
     """Yield generated token ids one at a time, until a stop token (not yielded) or max_new_tokens.
-    Bad params or prompts raise here, at the call, not at the first token (so a caller can report
-    them before printing anything)."""
+
+    The model sees a sliding window of the last `max_seq_len` tokens: every token is chosen from the
+    logits of model(ids[-max_seq_len:]), as if the text so far were cropped and run afresh. Bad params
+    or prompts raise here, at the call, not at the first token (so a caller can report them before
+    printing anything)."""
     params.validate()
     max_len = model.config.max_seq_len
     if not prompt_ids:
@@ -41,39 +45,41 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams) ->
 
 @torch.inference_mode()
 def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-    """Prefill, then sample and decode. When the context is full, start again from its last half
-    (re-prefilled at positions 0.., as nanoGPT crops its input), so a small model can write on."""
+    """Prefill, then sample and decode through the cache until the context holds max_seq_len tokens.
+
+    From then on the window slides by one token per step. That moves every token to a new position
+    and drops the oldest token from every later token's context, so no cached key or value stays
+    exact: each further step runs one cache-free forward over the window, as recomputation would.
+    """
     param = next(model.parameters())
     max_len = model.config.max_seq_len
     ids = list(prompt_ids)
-    seen = torch.tensor([ids], device=param.device) if params.repetition_penalty != 1.0 else None
+    seen = torch.tensor([ids], device=param.device) if params.penalized else None
     generator = params.generator(param.device)
     stop = set(params.stop_token_ids)
-
-    def start(context: list[int], to_sample: int) -> tuple[KVCache, torch.Tensor]:
-        # Slots: the context, plus one per sampled token but the last (it needs no forward pass).
-        cache = KVCache(model.config, 1, min(len(context) + to_sample - 1, max_len), dtype=param.dtype, device=param.device)
-        return cache, prefill(model, torch.tensor([context], device=param.device), cache)
-
     if not params.max_new_tokens:
         return
-    cache, logits = start(ids, params.max_new_tokens)
+    # Slots: the prompt, plus one per sampled token but the last (it needs no forward pass).
+    cache: KVCache | RollingKVCache | None = cache_for(
+        model.config, 1, min(len(ids) + params.max_new_tokens - 1, max_len), dtype=param.dtype, device=param.device)
+    logits = prefill(model, torch.tensor([ids], device=param.device), cache)
     for n in range(params.max_new_tokens):
-        token = sample(logits, params, generator, seen)  # (1,)
+        token = sample(logits, params, generator, seen, len(prompt_ids))  # (1,)
         tok = int(token)
         if tok in stop:
             return
         yield tok
         ids.append(tok)
-        left = params.max_new_tokens - n - 1
-        if not left:
+        if n + 1 == params.max_new_tokens:
             return
         if seen is not None:
             seen = torch.cat((seen, token[:, None]), dim=1)
-        if cache.length == cache.max_len:
-            cache, logits = start(ids[-max(1, max_len // 2) :], left)
-        else:
+        if cache is not None and cache.length < max_len:
             logits = decode_step(model, token, cache)
+        else:  # the context is full: slide the window
+            cache = None
+            window = torch.tensor([ids[-max_len:]], device=param.device)
+            logits = model(window, logits_to_keep=1).logits[:, -1]
 
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:

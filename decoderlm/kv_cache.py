@@ -1,9 +1,10 @@
-"""The KV cache: per layer, the keys and values of every token seen so far.
+"""The KV cache: per layer, the keys and values of the tokens later queries may still attend to.
 
 Only the K/V heads are stored (n_kv_heads, not n_heads), so GQA/MQA shrink the cache by the group
 factor. The model talks to any cache through the four methods of `Cache`: where the new tokens sit
 (`positions`), which cached keys each of them may see (`mask`), `update` from each attention layer,
 and `advance` once per forward. `KVCache` is the contiguous cache of one batch of equal-length rows;
+`RollingKVCache` keeps only a sliding-window model's last window of tokens (Mistral's rolling buffer);
 the serving engine's paged cache implements the same contract for rows of different lengths.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import causal_mask, default_positions
+from decoderlm.model.attention import build_mask, causal_mask, default_positions
 
 
 class Cache(Protocol):
@@ -60,3 +61,71 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class RollingKVCache:
+    """A sliding-window model's cache: a ring of the last `window − 1` tokens per layer, so its memory
+    stops growing at the window, however long the text.
+
+    A query sees itself and the window − 1 tokens before it; those are exactly what the ring holds
+    (token s lives in slot s mod (window − 1), overwriting one that no later query can see). `update`
+    returns the ring followed by this forward's own keys, so a prefill longer than the window still
+    attends over all of them; the mask is built from the position each slot holds (-1: empty or
+    padding), so the ring's order does not matter.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if config.sliding_window is None:
+            raise DecoderLMError("RollingKVCache needs a model with sliding_window; use KVCache for full attention")
+        self.window = config.sliding_window
+        self.size = self.window - 1
+        shape = (batch_size, config.n_kv_heads, self.size, config.head_dim)  # (B, Hkv, W-1, D)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.slot_pos = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)  # (B, W-1)
+        self.length = 0  # tokens fed so far, padding included (token s lives in slot s mod (W-1))
+        self._new_pos = self.slot_pos[:, :0]  # (B, T): this forward's positions (-1 for padding), set by `mask`
+
+    def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        return default_positions(self.length, T, attention_mask, device)
+
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        B = self.slot_pos.shape[0]
+        q_pos = self.positions(T, attention_mask, device).expand(B, T)  # (B, T)
+        if attention_mask is not None:
+            q_pos = q_pos.masked_fill(~attention_mask[:, self.length : self.length + T].bool(), -1)  # padding: no position
+        self._new_pos = q_pos
+        k_pos = torch.cat((self.slot_pos, self._new_pos), dim=1)  # (B, W-1 + T), in the order `update` returns keys
+        return build_mask(q_pos, k_pos, self.window, dtype, key_valid=k_pos >= 0)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the ring and the new k, v (B, Hkv, W-1 + T, D); then keep the newest W-1 in the ring."""
+        keys, values = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
+        keep, slots = self._slots(k.shape[2], k.device)
+        if keep:
+            self.k[layer][:, :, slots] = k[:, :, -keep:]
+            self.v[layer][:, :, slots] = v[:, :, -keep:]
+        return keys, values
+
+    def advance(self, n: int) -> None:
+        keep, slots = self._slots(n, self.slot_pos.device)
+        if keep:
+            self.slot_pos[:, slots] = self._new_pos[:, -keep:]
+        self.length += n
+
+    def _slots(self, T: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """How many of T new tokens stay in the ring, and their slots."""
+        keep = min(T, self.size)
+        return keep, torch.arange(self.length + T - keep, self.length + T, device=device) % max(self.size, 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> KVCache | RollingKVCache:
+    """The cache for up to max_len tokens: a rolling one when a sliding window makes it smaller."""
+    if config.sliding_window is not None and config.sliding_window <= max_len:
+        return RollingKVCache(config, batch_size, dtype, device)
+    return KVCache(config, batch_size, max_len, dtype, device)

@@ -1,11 +1,15 @@
-"""Logits → next token: repetition penalty, temperature, top-k, top-p (nucleus), min-p.
+"""Logits → next token: penalties, temperature, top-k, top-p (nucleus), min-p.
 
 Filters run in that order on the last position's logits (B, V); temperature 0 means greedy. A seeded
-`torch.Generator` makes sampling reproducible.
+`torch.Generator` makes sampling reproducible. `sample` serves rows that share one set of params;
+`sample_batch` serves a serving batch, where every row has its own params and its own generator.
+Each filter takes one value for all rows or a list with one value per row, so both paths run the
+same arithmetic and a request sampled in a batch draws what it would draw alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +27,8 @@ class SamplingParams:
     max_new_tokens: int = 128
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    frequency_penalty: float = 0.0  # OpenAI: minus penalty × count of the token among the generated ones
+    presence_penalty: float = 0.0  # OpenAI: minus penalty once the token has been generated at all
 
     def __post_init__(self) -> None:
         self.validate()
@@ -35,6 +41,8 @@ class SamplingParams:
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
             (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2] (0 = off), got {self.frequency_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2] (0 = off), got {self.presence_penalty}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -44,55 +52,129 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the token history (any penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         return torch.Generator(device).manual_seed(self.seed) if self.seed is not None else None
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style: divide positive / multiply negative logits of tokens already in `seen` (B, S)."""
+def per_row(value: float | Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """One value for all rows, or a list with one per row, as a (1 or B, 1) tensor next to `like`."""
+    values = [value] if isinstance(value, (int, float)) else list(value)
+    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
+    """CTRL-style: divide positive / multiply negative logits of tokens already in `seen` (B, S).
+    penalty: a float, or one per row (B, 1)."""
     scores = logits.gather(-1, seen)
     scores = torch.where(scores > 0, scores / penalty, scores * penalty)
     return logits.scatter(-1, seen, scores)
 
 
-def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits per row; the rest become -inf."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = logits.topk(k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
+def apply_frequency_presence(logits: torch.Tensor, generated: torch.Tensor, real: torch.Tensor, frequency: torch.Tensor,
+                             presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties: logit − frequency·count − presence·[count > 0], counted over the generated
+    ids (B, S) where `real` (B, S) is 1 (0 marks padding). frequency, presence: (1 or B, 1)."""
+    counts = torch.zeros_like(logits).scatter_add_(-1, generated, real.to(logits.dtype))  # (B, V)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
-def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p."""
-    if p >= 1.0:
+def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[Sequence[int]],
+             prompt_lens: Sequence[int]) -> torch.Tensor:
+    """Apply each row's penalties: repetition over its whole history `seen` (prompt + generated),
+    frequency/presence over the generated part, seen[i][prompt_lens[i]:]. Rows are padded to one
+    width with ids that change nothing (the row's own first id; zero weight for the counts)."""
+    device = logits.device
+    if any(p.repetition_penalty != 1.0 for p in params):
+        width = max(1, *map(len, seen))
+        ids = [list(s) + [s[0]] * (width - len(s)) if len(s) else [0] * width for s in seen]
+        penalty = [p.repetition_penalty if len(s) else 1.0 for p, s in zip(params, seen)]
+        logits = apply_repetition_penalty(logits, torch.tensor(ids, device=device), per_row(penalty, logits))
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        generated = [list(s[n:]) for s, n in zip(seen, prompt_lens)]
+        width = max(1, *map(len, generated))
+        ids = torch.tensor([g + [0] * (width - len(g)) for g in generated], device=device)  # (B, S)
+        real = torch.tensor([[1] * len(g) + [0] * (width - len(g)) for g in generated], device=device)
+        frequency = per_row([p.frequency_penalty for p in params], logits)
+        presence = per_row([p.presence_penalty for p in params], logits)
+        logits = apply_frequency_presence(logits, ids, real, frequency, presence)
+    return logits
+
+
+def filter_top_k(logits: torch.Tensor, k: int | Sequence[int]) -> torch.Tensor:
+    """Keep the k largest logits per row; the rest become -inf. k: one for all rows or one per row; 0 = off."""
+    V = logits.shape[-1]
+    ks = [k if 0 < k < V else 0 for k in ([k] if isinstance(k, int) else k)]
+    if not max(ks):
         return logits
+    best = logits.topk(max(ks), dim=-1).values  # (B, max k), sorted
+    index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device).view(-1, 1)
+    kth = best.gather(-1, index.expand(logits.shape[0], 1))  # (B, 1)
+    on = torch.tensor([k > 0 for k in ks], device=logits.device).view(-1, 1)
+    return logits.masked_fill(on & (logits < kth), float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float | Sequence[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (one or per row; 1 = off)."""
+    ps = [p] if isinstance(p, (int, float)) else list(p)
+    if min(ps) >= 1.0:
+        return logits
+    top_p = per_row(ps, logits)  # (1 or B, 1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cum - sorted_logits.softmax(-1) >= p  # mass before this token already reaches p
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)  # mass before this token already reaches p
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
-def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's probability."""
-    if min_p <= 0:
+def filter_min_p(logits: torch.Tensor, min_p: float | Sequence[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's probability (one or per row; 0 = off)."""
+    ms = [min_p] if isinstance(min_p, (int, float)) else list(min_p)
+    if max(ms) <= 0:
         return logits
     probs = logits.softmax(-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p
+    threshold = probs.max(dim=-1, keepdim=True).values * per_row(ms, logits)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Choose the next token for each row of logits (B, V) → (B,)."""
+def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities (B, V) to draw from: temperature, then top-k, top-p, min-p (params: one or per row)."""
+    logits = logits / per_row([p.temperature for p in params], logits)
+    logits = filter_top_k(logits, [p.top_k for p in params])
+    logits = filter_top_p(logits, [p.top_p for p in params])
+    logits = filter_min_p(logits, [p.min_p for p in params])
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           seen: torch.Tensor | None = None, prompt_len: int = 0) -> torch.Tensor:
+    """Choose the next token for each row of logits (B, V) → (B,). seen (B, S): each row's prompt
+    followed by its generated ids (the first prompt_len are the prompt), for the penalties."""
     logits = logits.float()
-    if params.repetition_penalty != 1.0 and seen is not None and seen.numel():
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.penalized and seen is not None and seen.numel():
+        logits = penalize(logits, [params] * seen.shape[0], seen.tolist(), [prompt_len] * seen.shape[0])
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
-    logits = filter_top_k(logits, params.top_k)
-    logits = filter_top_p(logits, params.top_p)
-    logits = filter_min_p(logits, params.min_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(warp(logits, [params]), 1, generator=generator).squeeze(-1)
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 seen: Sequence[Sequence[int]] | None = None, prompt_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """Next token (B,) for logits (B, V) where row i has its own params[i] and generators[i], so a
+    seeded request draws the same tokens whatever else shares the batch. seen/prompt_lens as in
+    `penalize` (an empty history for rows without penalties)."""
+    logits = logits.float()
+    if seen is not None and any(p.penalized for p in params):
+        logits = penalize(logits, params, seen, prompt_lens or [0] * len(params))
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = warp(logits[index], [params[i] for i in rows])  # (S, V)
+        draws = [torch.multinomial(probs[j : j + 1], 1, generator=generators[i]) for j, i in enumerate(rows)]
+        tokens[index] = torch.cat(draws).view(-1)
+    return tokens

@@ -2,7 +2,7 @@
 
 One case per family, each switching on the mechanism that family adds (rope scaling, a sliding window
 shorter than the test sequences, q/k/v bias with tied embeddings, q/k norm with a head_dim override,
-4 experts top-2, fused q/k/v, Conv1D, ...), plus a small byte-level BPE tokenizer trained on the spot.
+4 experts top-2, fused q/k/v, Conv1D, OLMo-2's post-norms and all-head q/k norms, ...), plus a small byte-level BPE tokenizer trained on the spot.
 Every parameter is perturbed after init, so biases and norm weights are not their trivial 0 / 1.
 """
 
@@ -34,6 +34,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "phi3-partial-rotary": ("phi3", LLAMA | dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.5})),
     "gemma": ("gemma", LLAMA | dict(head_dim=32)),
+    "olmo2-postnorm": ("olmo2", LLAMA),
 }
 
 SENTENCES = [

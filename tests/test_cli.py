@@ -10,6 +10,7 @@ import torch
 from conftest import corpus_text
 
 from decoderlm.cli import main
+from decoderlm.loader import load
 
 TRAIN_FLAGS = ["--max-steps", "30", "--eval-interval", "15", "--batch-size", "4", "--context", "32", "--sample-chars", "50"]  # sample > context
 
@@ -30,7 +31,7 @@ def test_train_writes_the_run_folder(run_dir):
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     log = json.loads((run_dir / "log.json").read_text())
     assert log[-1]["step"] == 30 and log[-1]["val_loss"] is not None
-    assert (run_dir / "log.csv").read_text().splitlines()[0] == "step,train_loss,val_loss,lr,tokens_per_s"
+    assert (run_dir / "log.csv").read_text().splitlines()[0] == "step,train_loss,val_loss,lr,tokens_seen,tokens_per_s,mfu"
 
 
 def test_train_prints_the_result_and_a_sample(tmp_path, capsys):
@@ -58,12 +59,16 @@ def test_generate_streams_a_continuation(run_dir, capsys):
     assert capsys.readouterr().out.startswith("First")
 
 
-def test_info_prints_config_and_parameters(run_dir, capsys):
+def test_info_is_the_short_view_of_inspect(run_dir, capsys):
+    model, _ = load(run_dir)
     assert main(["info", str(run_dir)]) == 0
-    out = capsys.readouterr().out
-    config = json.loads(out[: out.index("parameters:")])
-    assert config["n_layers"] == 4 and config["max_seq_len"] == 32
-    assert "parameters:" in out
+    info = capsys.readouterr().out
+    assert f"total parameters     {model.num_parameters():,}\n" in info
+    assert "family gpt2: 4 layers, d_model 128" in info and "learned table of 32" in info  # the run's context
+    assert main(["inspect", "--model", str(run_dir)]) == 0
+    full = capsys.readouterr().out.splitlines()
+    assert set(info.splitlines()) < set(full) and "all layers" not in info  # the same report without the table
+    assert main(["inspect", str(run_dir), "--short"]) == 0 and capsys.readouterr().out == info
 
 
 def test_stop_after_then_resume(tmp_path, capsys):

@@ -68,6 +68,8 @@ def test_reward_margin_rises_on_held_out_pairs(tmp_path, lora):
     assert evals[-1]["loss"] < evals[0]["loss"]
     logged = json.loads((tmp_path / "run" / "finetune.json").read_text())["eval"]
     assert logged[-1]["chosen_reward"] == pytest.approx(evals[-1]["chosen_reward"])
+    last = json.loads((tmp_path / "run" / "log.json").read_text())[-1]  # the loop's log carries the objective's metrics
+    assert last["val_loss"] == pytest.approx(evals[-1]["loss"]) and last["margin"] == pytest.approx(evals[-1]["margin"])
 
 
 def test_dpo_cli_logs_rewards(tmp_path, cli, capsys):

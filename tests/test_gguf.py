@@ -92,9 +92,13 @@ def ref_q6_k(raw):  # ql[128], qh[64], scales[16] (int8), d; 16 sub-blocks of 16
 REFERENCES = {Q.Q8_0: ref_q8_0, Q.Q4_0: ref_q4_0, Q.Q4_1: ref_q4_1, Q.Q4_K: ref_q4_k, Q.Q5_K: ref_q5_k, Q.Q6_K: ref_q6_k}
 
 
-def write_gguf(path, arch, meta: dict, tensors: list[tuple[str, np.ndarray, Q]]) -> None:
-    """Tensors are float arrays to quantize, or uint8 blocks already in `qtype` (K-quants)."""
+def write_gguf(path, arch, meta: dict, tensors: list[tuple[str, np.ndarray, Q]], hparams=None) -> None:
+    """A GGUF file written by the gguf package itself: `meta` (gguf.Keys names → values) and
+    hparams(writer), which calls the writer's own add_* methods. Tensors are float arrays to quantize
+    with gguf.quants, or uint8 blocks already in `qtype` (K-quants, which gguf cannot quantize)."""
     w = GGUFWriter(str(path), arch)
+    if hparams is not None:
+        hparams(w)
     for key, value in meta.items():
         if isinstance(value, bool):
             w.add_bool(key, value)
@@ -169,10 +173,10 @@ def tokenizer_meta() -> tuple[dict, int]:
     letters = list(byte_alphabet().values())
     tokens = letters + ["Ġt", "he", SPECIAL]
     types = [1] * (len(tokens) - 1) + [3]
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": ["Ġ t", "h e"],
-            "tokenizer.ggml.bos_token_id": len(tokens) - 1, "tokenizer.ggml.eos_token_id": len(tokens) - 1,
-            "tokenizer.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"}
+    T = gguf.Keys.Tokenizer
+    meta = {T.MODEL: "gpt2", T.PRE: "gpt2", T.LIST: tokens, T.TOKEN_TYPE: types, T.MERGES: ["Ġ t", "h e"],
+            T.BOS_ID: len(tokens) - 1, T.EOS_ID: len(tokens) - 1,
+            T.CHAT_TEMPLATE: "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"}
     return meta, len(tokens)
 
 
@@ -198,64 +202,66 @@ def hf_model(arch: str, vocab: int):
     return model.eval()
 
 
+ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2}
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
 def gguf_tensors(arch: str, model) -> list[tuple[str, torch.Tensor]]:
-    sd, cfg = model.state_dict(), model.config
-    if arch == "gpt2":
-        out = [("token_embd.weight", sd["transformer.wte.weight"]), ("position_embd.weight", sd["transformer.wpe.weight"]),
-               ("output_norm.weight", sd["transformer.ln_f.weight"]), ("output_norm.bias", sd["transformer.ln_f.bias"])]
-        for i in range(cfg.n_layer):
-            h = f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
-                out += [(f"blk.{i}.{ours}.weight", sd[h + theirs + ".weight"]), (f"blk.{i}.{ours}.bias", sd[h + theirs + ".bias"])]
-            for ours, theirs in (("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"), ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")):
-                out += [(f"blk.{i}.{ours}.weight", sd[h + theirs + ".weight"].T), (f"blk.{i}.{ours}.bias", sd[h + theirs + ".bias"])]
-        return out
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    out = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"])]
-    if not cfg.tie_word_embeddings:
-        out.append(("output.weight", sd["lm_head.weight"]))
-    for key, value in sd.items():
-        parts = key.split(".")
-        if parts[1] != "layers":
+    """What llama.cpp's converter writes for a transformers model: names from the gguf package's own
+    HF → GGUF table, GPT-2's Conv1D weights transposed, Llama's q/k rows permuted, experts stacked per kind."""
+    cfg = model.config
+    n_layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    table = gguf.get_tensor_name_map(ARCHS[arch], n_layers)
+    out = []
+    for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:  # llama.cpp writes no output tensor then
             continue
-        i, module, param = parts[2], ".".join(parts[3:-1]), parts[-1]
-        if module == "mlp.experts":  # transformers fuses the experts' gate/up: (E, 2·ff, D); llama.cpp stacks each kind
-            if param == "gate_up_proj":
-                gate, up = value.chunk(2, dim=1)
-                out += [(f"blk.{i}.ffn_gate_exps.weight", gate), (f"blk.{i}.ffn_up_exps.weight", up)]
-            else:
-                out.append((f"blk.{i}.ffn_down_exps.weight", value))
+        if ".mlp.experts." in key:  # transformers fuses the experts' gate/up: (E, 2·ff, D); llama.cpp names Mixtral's w1/w3/w2
+            prefix = key.split(".mlp.")[0] + ".block_sparse_moe.experts"
+            parts = zip(("w1", "w3"), value.chunk(2, dim=1)) if key.endswith("gate_up_proj") else [("w2", value)]
+            out += [(table.get_name(f"{prefix}.{w}.weight", try_suffixes=(".weight",)), v) for w, v in parts]
             continue
-        if module == "mlp.gate":  # the MoE router
-            out.append((f"blk.{i}.ffn_gate_inp.{param}", value))
-            continue
-        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-            value = permute(value, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
-        out.append((f"blk.{i}.{names[module]}.{param}", value))
+        if arch == "gpt2" and key.endswith(CONV1D):
+            value = value.T
+        if arch == "llama" and key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            value = permute(value, cfg.num_attention_heads if "q_proj" in key else cfg.num_key_value_heads)
+        name = table.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        out.append((name, value))
     return out
 
 
 def write_model(path, arch: str, model, qtype: Q, extra_tensors: list[tuple[str, torch.Tensor]] = ()) -> None:
     cfg = model.config
     meta, _ = tokenizer_meta()
-    if arch == "gpt2":
-        meta |= {f"{arch}.block_count": cfg.n_layer, f"{arch}.context_length": cfg.n_positions, f"{arch}.embedding_length": cfg.n_embd,
-                 f"{arch}.feed_forward_length": 4 * cfg.n_embd, f"{arch}.attention.head_count": cfg.n_head,
-                 f"{arch}.attention.layer_norm_epsilon": float(cfg.layer_norm_epsilon)}
-    else:
+
+    def hparams(w: GGUFWriter) -> None:
+        if arch == "gpt2":
+            w.add_block_count(cfg.n_layer)
+            w.add_context_length(cfg.n_positions)
+            w.add_embedding_length(cfg.n_embd)
+            w.add_feed_forward_length(4 * cfg.n_embd)
+            w.add_head_count(cfg.n_head)
+            w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+            return
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        meta |= {f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
-                 f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
-                 f"{arch}.attention.head_count": cfg.num_attention_heads, f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-                 f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]), f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-                 f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
         if getattr(cfg, "num_local_experts", None):
-            meta |= {f"{arch}.expert_count": cfg.num_local_experts, f"{arch}.expert_used_count": cfg.num_experts_per_tok}
+            w.add_expert_count(cfg.num_local_experts)
+            w.add_expert_used_count(cfg.num_experts_per_tok)
+
     named = [*gguf_tensors(arch, model), *extra_tensors]
     tensors = [(name, value.float().numpy(), qtype if value.dim() >= 2 else Q.F32) for name, value in named]
-    write_gguf(path, arch, meta, tensors)
+    write_gguf(path, arch, meta, tensors, hparams)
 
 
 def quantized_copy(model, qtype: Q):

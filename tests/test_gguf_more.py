@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -138,11 +139,10 @@ def write_spm_tokenizer(path, *, add_space_prefix: bool | None = None) -> list[s
     types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES), 4]
     rng = torch.Generator().manual_seed(0)
     scores = [0.0] * 259 + (-torch.rand(len(SPM_PIECES), generator=rng) * 100).tolist() + [0.0]  # merge order unlike file order
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-            "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    T = gguf.Keys.Tokenizer
+    meta = {T.MODEL: "llama", T.LIST: tokens, T.SCORES: scores, T.TOKEN_TYPE: types, T.BOS_ID: 1, T.EOS_ID: 2, T.UNK_ID: 0}
     if add_space_prefix is not None:
-        meta["tokenizer.ggml.add_space_prefix"] = add_space_prefix
+        meta[T.ADD_PREFIX] = add_space_prefix
     write_gguf(path, "llama", meta, [])
     return tokens
 

@@ -79,6 +79,7 @@ def test_each_case_switches_its_mechanism_on(pair):
         "qwen3_moe": c.n_experts == 4 and c.qk_norm and not c.moe_renormalize,
         "phi3-partial-rotary": c.partial_rotary_factor == 0.5,
         "gemma": c.norm_offset == 1.0 and c.embed_scale == 8.0 and c.mlp == "geglu" and c.tie_embeddings,
+        "olmo2-postnorm": c.post_norm and c.qk_norm and c.qk_norm_scope == "all" and c.n_kv_heads < c.n_heads,
     }
     assert expected[case]
     assert c.family == CASES[case][0]

@@ -1,4 +1,5 @@
-"""Decoding through the KV cache gives the logits of full recomputation, and the cache is lean."""
+"""Decoding through the KV caches (contiguous, and rolling for sliding windows) gives the logits of
+full recomputation, left-padded rows equal each row alone, and the caches are lean."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import KVCache
+from decoderlm.generate import generate
+from decoderlm.kv_cache import KVCache, RollingKVCache, cache_for
+from decoderlm.sampling import SamplingParams
 
 T = 12  # longer than every sliding window drawn by `configs`
 
@@ -92,3 +95,79 @@ def test_cache_overflow_is_an_error():
         model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
         with pytest.raises(DecoderLMError, match="holds 4 tokens"):
             model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+# --- the rolling cache of sliding-window models ---------------------------------------------------
+
+window_configs = configs().map(lambda cfg: {k: v for k, v in cfg.items() if k != "sliding_window"})
+
+
+@given(window_configs, st.integers(1, 6), st.integers(1, 14), st.lists(st.integers(1, 4), max_size=6), st.integers(0, 2**16))
+@settings(max_examples=40)
+def test_rolling_cache_equals_full_recomputation(cfg, window, prefill_len, chunks, seed):
+    """Prefill (longer or shorter than the window), then chunks of 1-4 tokens: the logits of one
+    cache-free forward over everything, with the window's mask."""
+    model = tiny_model(seed, sliding_window=window, **cfg)
+    T = prefill_len + sum(chunks)
+    ids = torch.randint(0, 37, (2, T), generator=torch.Generator().manual_seed(seed))
+    cache = RollingKVCache(model.config, 2)
+    bounds = [0, prefill_len] + [prefill_len + sum(chunks[: i + 1]) for i in range(len(chunks))]
+    with torch.no_grad():
+        full = model(ids).logits  # (B, T, V)
+        parts = [model(ids[:, s:e], cache=cache).logits for s, e in zip(bounds, bounds[1:])]
+    assert cache.length == T
+    assert_close(torch.cat(parts, dim=1), full)
+
+
+@given(window_configs, st.integers(2, 5), st.integers(0, 2**16))
+@settings(max_examples=15)
+def test_rolling_cache_left_padded_batch_equals_each_row_alone(cfg, window, seed):
+    model = tiny_model(seed, sliding_window=window, **cfg)
+    gen = torch.Generator().manual_seed(seed)
+    lengths, steps = [7, 2, 5], 6  # decoding runs well past the window
+    width = max(lengths)
+    rows = [torch.randint(0, 37, (n + steps,), generator=gen) for n in lengths]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width + steps, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = rows[b][:n]
+        attention_mask[b, width - n :] = 1
+    cache = RollingKVCache(model.config, len(rows))
+    with torch.no_grad():
+        prefill = model(ids, cache=cache, attention_mask=attention_mask[:, :width]).logits
+        decoded = [model(torch.stack([r[n + s] for r, n in zip(rows, lengths)])[:, None], cache=cache,
+                         attention_mask=attention_mask[:, : width + s + 1]).logits for s in range(steps)]
+        for b, n in enumerate(lengths):
+            alone = model(rows[b][None]).logits[0]
+            assert_close(prefill[b, width - n :], alone[:n])
+            for s in range(steps):
+                assert_close(decoded[s][b, 0], alone[n + s])
+
+
+def test_rolling_cache_memory_stops_growing_at_the_window():
+    model = tiny_model(n_kv_heads=2, sliding_window=5)
+    cache = RollingKVCache(model.config, 1)
+    pointers = [t.data_ptr() for t in cache.k + cache.v]
+    assert cache.nbytes() == KVCache(model.config, 1, 4).nbytes()  # the window - 1 tokens a new query needs
+    with torch.no_grad():
+        model(torch.randint(0, 37, (1, 12)), cache=cache)  # a prefill longer than the window
+        for _ in range(20):
+            model(torch.randint(0, 37, (1, 1)), cache=cache)
+    assert cache.length == 32 and cache.nbytes() == KVCache(model.config, 1, 4).nbytes()
+    assert [t.data_ptr() for t in cache.k + cache.v] == pointers
+    assert sorted(cache.slot_pos[0].tolist()) == [28, 29, 30, 31]  # the newest tokens, nothing older
+
+
+def test_generate_uses_the_rolling_cache_for_sliding_window_models():
+    caches = []
+
+    def record(module, args, kwargs):
+        caches.append(kwargs.get("cache"))
+
+    for window, kind in ((4, RollingKVCache), (None, KVCache), (100, KVCache)):  # a window past the context is full attention
+        model = tiny_model(sliding_window=window)
+        caches.clear()
+        model.register_forward_pre_hook(record, with_kwargs=True)
+        generate(model, [1, 2, 3], SamplingParams(max_new_tokens=10, temperature=0))
+        assert all(type(c) is kind for c in caches), window
+        assert type(cache_for(model.config, 1, 64)) is kind

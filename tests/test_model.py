@@ -81,16 +81,25 @@ def test_fully_masked_rows_stay_finite(dtype):
     assert y.isfinite().all()
 
 
+HALF_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # logits here are ~0.3; rounding alone moves them ~2e-4 / 2e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("position", ["rope", "learned"])
-def test_left_padding_in_half_precision_is_finite(dtype, position):
+def test_left_padded_rows_in_half_precision_equal_each_row_alone(dtype, position):
+    """Padding changes nothing about a row: its logits equal the row run alone and unpadded, in fp32,
+    to within half precision's rounding."""
+    exact = tiny_model(position=position, sliding_window=4)
     model = tiny_model(position=position, sliding_window=4).to(dtype)
     ids = torch.randint(1, 37, (2, 8), generator=torch.Generator().manual_seed(2))
     attention_mask = torch.ones(2, 8, dtype=torch.long)
     attention_mask[0, :5] = 0  # row 0: five pads, then three real tokens
     with torch.no_grad():
-        logits = model(ids, attention_mask=attention_mask).logits
+        logits = model(ids, attention_mask=attention_mask).logits.float()  # (B, T, V)
+        alone = [exact(ids[:1, 5:]).logits[0], exact(ids[1:]).logits[0]]
     assert logits.isfinite().all()
+    torch.testing.assert_close(logits[0, 5:], alone[0], rtol=0, atol=HALF_TOL[dtype])
+    torch.testing.assert_close(logits[1], alone[1], rtol=0, atol=HALF_TOL[dtype])
 
 
 def test_overfits_one_sentence():

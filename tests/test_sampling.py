@@ -1,13 +1,18 @@
-"""Sampler properties: each filter keeps exactly the set its definition names; seeds reproduce."""
+"""Sampler properties: each filter keeps exactly the set its definition names; seeds reproduce; the
+repetition penalty and whole sampled generations agree with transformers' logits processors."""
 
 import pytest
 import torch
 from conftest import tiny_model
+from hf_models import make_hf_model, prompt_ids
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
+from decoderlm.loader import load
 from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p, sample
 
 VOCAB = 50
@@ -85,6 +90,65 @@ def test_repetition_penalty_applied_by_sample():
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert int(sample(logits, params)) == 0
     assert int(sample(logits, params, seen=torch.tensor([[0]]))) == 1  # 5/2 < 4
+
+
+@given(seeds, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30), st.floats(0.2, 5.0))
+def test_repetition_penalty_equals_transformers(seed, seen, penalty):
+    """Against RepetitionPenaltyLogitsProcessor on the same logits and history (repeats included)."""
+    logits = random_logits(seed)
+    history = torch.tensor([seen] * logits.shape[0])  # (B, S)
+    want = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
+    torch.testing.assert_close(apply_repetition_penalty(logits, history, penalty), want, rtol=0, atol=0)
+
+
+def transformers_sampler(params: SamplingParams) -> LogitsProcessorList:
+    """What transformers' generate applies for these settings, in its order."""
+    steps = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty)] if params.repetition_penalty != 1.0 else []
+    if not params.greedy:
+        steps.append(TemperatureLogitsWarper(params.temperature))
+        steps += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+        steps += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+        steps += [MinPLogitsWarper(params.min_p)] if params.min_p else []
+    return LogitsProcessorList(steps)
+
+
+def reference_generation(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """No cache, no decoderlm sampling: each step runs the last max_seq_len tokens afresh, processes the
+    logits with transformers' processors (history: prompt + output) and draws with the same seeded generator."""
+    ids, max_len, processors = list(prompt), model.config.max_seq_len, transformers_sampler(params)
+    gen = torch.Generator().manual_seed(params.seed)
+    with torch.no_grad():
+        for _ in range(params.max_new_tokens):
+            scores = processors(torch.tensor([ids]), model(torch.tensor([ids[-max_len:]])).logits[:, -1])
+            token = scores.argmax(-1) if params.greedy else torch.multinomial(scores.softmax(-1), 1, generator=gen)[:, 0]
+            ids.append(int(token))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.9, top_k=10, top_p=0.9, repetition_penalty=1.3),
+    dict(temperature=1.2, min_p=0.05, repetition_penalty=0.8),
+    dict(temperature=0.0, repetition_penalty=1.5),
+])
+@pytest.mark.parametrize("max_seq_len", [64, 10])  # 10: the context fills and slides
+def test_generation_equals_a_reference_built_on_transformers_processors(params, max_seq_len):
+    model = tiny_model(2, max_seq_len=max_seq_len, sliding_window=6, n_kv_heads=2)  # 2 layers see 11 tokens back: more than 10
+    sampling = SamplingParams(max_new_tokens=30, seed=11, **params)
+    assert generate(model, [3, 1, 4], sampling) == reference_generation(model, [3, 1, 4], sampling)
+
+
+def test_greedy_repetition_penalty_equals_transformers_generate(tmp_path):
+    hf = make_hf_model("llama", tmp_path)
+    ours, _ = load(tmp_path)
+    ids = prompt_ids(8, seed=3)[:1]
+    for penalty in (1.5, 0.7):
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                               repetition_penalty=penalty)[0, 8:].tolist()
+        got = generate(ours, ids[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=24, repetition_penalty=penalty))
+        assert len(want) == 24 and got == want, penalty
+    plain = generate(ours, ids[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=24))
+    assert plain != got  # the penalty changed the output, so the comparison above tests it
 
 
 @given(seeds, st.sampled_from([0.0, 1e-4, 1e-3]))

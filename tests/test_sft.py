@@ -15,10 +15,11 @@ from conftest import tiny_model
 from decoderlm import names
 from decoderlm.errors import DecoderLMError
 from decoderlm.finetune.data import check_chat, read_jsonl
+from decoderlm.finetune.objectives import EpochRows
 from decoderlm.finetune.sft import batch_logits, collate, encode_chat, pack, sft_loss
 from decoderlm.formats.gguf import FastReader, Metadata, gguf_tokenizer
 from decoderlm.model.transformer import IGNORE_INDEX
-from finetune_helpers import TEMPLATES, chat_tokenizer, make_chat_model, write_chat_tokenizer, write_jsonl
+from finetune_helpers import TEMPLATES, chat_tokenizer, make_chat_model, write_jsonl
 
 CONVERSATION = [
     {"role": "system", "content": "You answer briefly."},
@@ -138,6 +139,18 @@ def test_loss_counts_only_reply_tokens():
     expected = -sum(logp[t - 1, ex.ids[t]] for t in reply) / len(reply)
     with torch.no_grad():
         torch.testing.assert_close(sft_loss(model, batch), expected, atol=1e-5, rtol=1e-5)
+
+
+@given(n_rows=st.integers(1, 30), batch_size=st.integers(1, 8), seed=st.integers(0, 2**31), epochs=st.integers(1, 3))
+def test_each_epoch_trains_on_every_row_once(n_rows, batch_size, seed, epochs):
+    sampler = EpochRows(n_rows, batch_size, seed)
+    for _ in range(epochs):
+        drawn = [sampler.next() for _ in range(sampler.per_epoch)]
+        assert sorted(r for batch in drawn for r in batch) == list(range(n_rows))
+        assert all(len(batch) == batch_size for batch in drawn[:-1])
+    resumed = EpochRows(n_rows, batch_size, seed)
+    resumed.set_state(sampler.state())
+    assert resumed.next() == sampler.next()  # the step count is the whole state
 
 
 BAD = ['{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',

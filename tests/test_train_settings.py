@@ -110,6 +110,10 @@ def test_every_train_flag_is_a_trainconfig_field_and_back(tmp_path):
         if hints[name] is bool:
             continue
         kind = next(t for t in typing.get_args(hints[name]) if t is not type(None))
-        value = {int: "7", float: "0.5", str: "cpu"}[kind]
+        if kind == list[str]:  # repeatable: each use appends
+            args = build_parser().parse_args(["train", f"--{name.replace('_', '-')}", "a=1", f"--{name.replace('_', '-')}", "b=2"])
+            assert getattr(args, name) == ["a=1", "b=2"]
+            continue
+        value = f.metadata["choices"][-1] if f.metadata["choices"] else {int: "7", float: "0.5", str: "x"}[kind]
         args = build_parser().parse_args(["train", f"--{name.replace('_', '-')}", value])
         assert getattr(args, name) == kind(value)

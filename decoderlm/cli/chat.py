@@ -10,22 +10,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.common import (
+    SAMPLING_EPILOG,
+    add_model_flags,
+    add_model_source,
+    add_sampling_flags,
+    load_model,
+    model_source,
+    print_stream,
+    sampling_params,
+)
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import Message
 
-# For checkpoints that recommend nothing (a GGUF without general.sampling.*): SmolLM2's model card values.
-CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 HELP = "type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) quits"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with an instruct model (default: the embedded SmolLM2-135M-Instruct)",
-                       epilog=f"Sampling defaults: the checkpoint's, else {CHAT_DEFAULTS}. In the chat: {HELP}.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+                       epilog=f"{SAMPLING_EPILOG} In the chat: {HELP}.")
+    add_model_source(p, default=DEFAULT_MODEL, help="HF folder, .gguf file or known name")
     p.add_argument("--system", default=None, help="system prompt (default: the template's own, if any)")
     p.add_argument("--message", default=None, help="send this one message, print the reply and exit")
     add_model_flags(p)
@@ -35,16 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
+    source = model_source(args)
     if getattr(tok, "chat_template", None) is None:
-        raise DecoderLMError(f"{args.model} has no chat template; use `decoderlm generate --model {args.model} --prompt ...` instead")
-    params = sampling_params(args, model.generation_defaults or CHAT_DEFAULTS, tok.eos_token_ids)
+        raise DecoderLMError(f"{source} has no chat template; use `decoderlm generate --model {source} --prompt ...` instead")
+    params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         reply(model, tok, system + [{"role": "user", "content": args.message}], params)
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {args.model}: {HELP}", file=sys.stderr)
+        print(f"chatting with {source}: {HELP}", file=sys.stderr)
     history: list[Message] = list(system)
     while True:
         if interactive:
@@ -66,7 +74,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def reply(model, tok, messages: list[Message], params: SamplingParams) -> list[Message]:
     """Stream the assistant's answer to `messages`; return the conversation including it."""
     messages, prompt = fit_context(tok, messages, model.config.max_seq_len, params.max_new_tokens)
-    text = print_stream(tok, stream(model, prompt, params))
+    text = print_stream(tok, stream(model, prompt, params), prompt)
     return messages + [{"role": "assistant", "content": text}]
 
 

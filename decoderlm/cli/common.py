@@ -1,60 +1,123 @@
-"""Flags and helpers shared by several subcommands."""
+"""Flags and helpers shared by several subcommands, so each flag means the same everywhere:
+`--model` names a model (some commands also take it as a positional MODEL), `--dtype`, `--quantize`,
+`--threads` and `--device` go wherever a model runs, and `--seed` is unseeded unless given."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.loader import load
+from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
+from decoderlm.quantize import MODES
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import StreamDecoder
+
+MODEL_HELP = "run folder, HF folder, .gguf file or known name"
+SEED_HELP = "seed for every random choice, for reproducible runs (default: unseeded, different each run)"
+
+
+def add_model_source(p: argparse.ArgumentParser, positional: bool = False, default: str | None = None, help: str = MODEL_HELP) -> None:
+    """--model MODEL (and, where it reads naturally, a positional MODEL); read it with `model_source`."""
+    suffix = f" (default: {default})" if default else ""
+    if positional:
+        p.add_argument("model_arg", nargs="?", metavar="MODEL", help=f"{help}; the same as --model")
+    p.add_argument("--model", default=None, help=help + suffix)
+    p.set_defaults(model_default=default)
+
+
+def model_source(args: argparse.Namespace) -> str:
+    """The model named by the positional MODEL or --model (the same thing twice is fine)."""
+    given = {v for v in (getattr(args, "model_arg", None), args.model) if v is not None}
+    if len(given) > 1:
+        raise DecoderLMError("the model is given twice (as MODEL and as --model); give it once")
+    source = given.pop() if given else args.model_default
+    if source is None:
+        raise DecoderLMError(f"no model given; name one with --model ({MODEL_HELP})")
+    return source
+
+
+def add_seed_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=None, help=SEED_HELP)
+
+
+# Sampling for a checkpoint that recommends none (no generation_config.json, a GGUF without
+# general.sampling.*), in `generate` and `chat` alike: the model card values of the embedded default
+# model, SmolLM2-135M-Instruct. Fields not named here are off.
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+SAMPLING_EPILOG = ("Sampling defaults: the checkpoint's generation_config (GGUF: general.sampling.*), else "
+                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_SAMPLING.items()) + "; flags override them.")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the checkpoint's, else 1.0)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
     g.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (1 = off)")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_seed_flag(g)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+    """How to run the model: every command that runs one takes these."""
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--quantize", default=None, choices=list(MODES),
                    help="quantize weights for faster CPU decoding (decode vs fp32: int4 ~3x, int8 ~2x; logits move slightly)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
 
 
-def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
-    """The model and tokenizer named by --model, with --dtype, --quantize and --threads applied."""
+def apply_run_flags(args: argparse.Namespace) -> torch.device:
+    """Check --threads and --device (before any slow work) and apply --threads; return the device."""
     if args.threads is not None:
         if args.threads < 1:
             raise DecoderLMError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
-    return load(args.model, dtype=args.dtype, quantize=args.quantize)
+    return resolve_device(args.device)
+
+
+def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
+    """The model and tokenizer named by --model, with --dtype, --quantize, --threads and --device applied.
+    Sampling flags, where the command has them, are checked first: a bad value fails before the load."""
+    source = model_source(args)
+    if hasattr(args, "temperature"):
+        sampling_params(args)
+    device = apply_run_flags(args)
+    return load(source, dtype=args.dtype, quantize=args.quantize, device=device)
+
+
+def check_out_file(path: str | Path, what: str = "--out") -> Path:
+    """A file the command can write at the end: refuse a missing folder or a directory before the work."""
+    path = Path(path)
+    if path.is_dir():
+        raise DecoderLMError(f"{what} {path} is a directory; give a file name, e.g. {path / 'out.png'}")
+    if not path.parent.is_dir():
+        raise DecoderLMError(f"{what} {path}: folder {path.parent} does not exist; create it first")
+    return path
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop_token_ids: list[int] | None = None) -> SamplingParams:
-    """Flags override the checkpoint's defaults (generation_config), which override ours."""
-    values = dict(defaults or {})
+    """Flags override the checkpoint's defaults (generation_config), else DEFAULT_SAMPLING."""
+    values = dict(defaults or DEFAULT_SAMPLING)
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=list(stop_token_ids or []), **values)
 
 
-def print_stream(tokenizer, tokens: Iterator[int]) -> str:
-    """Print text as tokens arrive (never half a character); return the whole text."""
-    decoder, parts = StreamDecoder(tokenizer), []
+def print_stream(tokenizer, tokens: Iterator[int], prompt_ids: Sequence[int] = ()) -> str:
+    """Print text as tokens arrive (never half a character; decoded after the prompt, so the first
+    word keeps its space); return the whole text."""
+    decoder, parts = StreamDecoder(tokenizer, prompt_ids), []
     for tok in tokens:
         piece = decoder.push(tok)
         if piece:

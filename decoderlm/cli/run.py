@@ -1,38 +1,42 @@
-"""`decoderlm train`, `decoderlm generate`, `decoderlm info`."""
+"""`decoderlm train`, `decoderlm generate`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import textwrap
 import typing
 
-from decoderlm.cli.common import add_model_flags, add_sampling_flags, load_model, print_stream, sampling_params
+from decoderlm.cli.common import (
+    SAMPLING_EPILOG,
+    add_model_flags,
+    add_model_source,
+    add_sampling_flags,
+    load_model,
+    print_stream,
+    sampling_params,
+)
 from decoderlm.generate import stream
-from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
+from decoderlm.tokenizer import CharTokenizer
 from decoderlm.train import TrainConfig, train
 from decoderlm.train.config import DEFAULT_RECIPE, FIXED, RUN, SESSION, flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model on a text file (char-level)", epilog=resume_rules(),
+    p = sub.add_parser("train", help="train a model on a text file (char-level) or a prepared folder; torchrun-ready",
+                       epilog=resume_rules(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_flags(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"run folder, HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)", epilog=SAMPLING_EPILOG)
+    add_model_source(p, default=DEFAULT_MODEL)
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("info", help="print a model's config and parameter count")
-    p.add_argument("model", help="run folder, HF folder, .gguf file or known name")
-    p.set_defaults(func=cmd_info)
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -41,6 +45,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         if hints[f.name] is bool:
             p.add_argument(flag(f.name), action="store_true", help=f.metadata["help"])
+        elif hints[f.name] == list[str] | None:
+            p.add_argument(flag(f.name), action="append", default=None, metavar="KEY=VALUE", help=f.metadata["help"])
         else:
             kind = next(t for t in typing.get_args(hints[f.name]) if t is not type(None))  # X from `X | None`
             p.add_argument(flag(f.name), type=kind, default=None, choices=f.metadata["choices"], help=flag_help(f))
@@ -70,6 +76,8 @@ def resume_rules() -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}))
+    if result["model"] is None:  # not rank 0 under torchrun: rank 0 reports
+        return 0
     cfg = result["config"]
     val = "not evaluated yet" if result["val_loss"] is None else f"{result['val_loss']:.4f}"
     speed = "" if result["tokens_per_s"] is None else f", {result['tokens_per_s']:,.0f} tokens/s"
@@ -77,22 +85,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, tok = result["model"], result["tokenizer"]
     print("--- sample ---")
     params = SamplingParams(temperature=0.8, top_k=200, max_new_tokens=cfg.sample_chars, seed=cfg.seed)
-    start = tok.encode("\n") if "\n" in tok.stoi else [0]  # a one-line corpus has no newline
+    start = sample_start(tok)
     print_stream(tok, stream(model, start, params))
     return 0
+
+
+def sample_start(tok) -> list[int]:
+    """The sample's first token: a newline (char corpora; a one-line corpus has none, so id 0), or end-of-text."""
+    if isinstance(tok, CharTokenizer):
+        return tok.encode("\n") if "\n" in tok.stoi else [0]
+    return tok.eos_token_ids[:1] or tok.encode("\n", add_special_tokens=False)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
-    tokens = stream(model, tok.encode(args.prompt), params)  # raises on a bad prompt before anything is printed
+    prompt = tok.encode(args.prompt)
+    tokens = stream(model, prompt, params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
-    print_stream(tok, tokens)
+    print_stream(tok, tokens, prompt)
     return 0
 
-
-def cmd_info(args: argparse.Namespace) -> int:
-    model, _ = load(args.model)
-    print(json.dumps(model.config.to_dict(), indent=2))
-    print(f"parameters: {model.num_parameters():,} ({model.num_parameters(exclude_embeddings=True):,} without embeddings)")
-    return 0

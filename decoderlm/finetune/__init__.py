@@ -1,7 +1,7 @@
 """Fine-tuning on the training loop: supervised (chat data, loss on assistant replies), LoRA adapters, DPO.
 
-What changes from pretraining is only what a batch is and how its loss is computed (`sft.sft_loss`,
-`dpo.dpo_loss`); the loop is `decoderlm.train.trainer.fit`.
+What changes from pretraining is only what a batch is and how its loss is computed: the `Objective`s in
+`objectives` (SFTObjective, DPOObjective); the loop is pretraining's, `decoderlm.train.trainer.fit`.
 """
 
 from decoderlm.finetune.lora import apply_lora, merge_lora

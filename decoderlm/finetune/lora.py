@@ -169,14 +169,15 @@ def load_adapter(model: Transformer, folder: str | Path) -> Transformer:
     return model
 
 
-def load_merged(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transformer, object]:
+def load_merged(folder: str | Path, dtype: torch.dtype = torch.float32,
+                device: torch.device = torch.device("cpu")) -> tuple[Transformer, object]:
     """(model, tokenizer) of an adapter folder: the base it names, with the adapter merged in."""
     from decoderlm.loader import load
 
     base = read_adapter_config(folder).get("base_model_name_or_path")
     if not base:
         raise DecoderLMError(f"{Path(folder) / ADAPTER_CONFIG} does not name its base model (base_model_name_or_path); add it")
-    model, tokenizer = load(base)
+    model, tokenizer = load(base, device=device)
     merge_lora(load_adapter(model, folder))
     model.to(dtype).init_rope()  # rope tables stay fp32 whatever the weights' dtype
     return model.eval(), tokenizer

@@ -66,16 +66,19 @@ QKV = tuple(row(f"model.{ATTN}.{x}_proj.{{p}}", f"{ATTN}.{x}_proj.{{p}}") for x 
 MLP = tuple(row(f"model.layers.{{i}}.mlp.{x}_proj.{{p}}", f"layers.{{i}}.mlp.{x}_proj.{{p}}") for x in ("gate", "up", "down"))
 
 
-def llama_table(qkv: tuple[Row, ...] = QKV, mlp: tuple[Row, ...] = MLP) -> tuple[Row, ...]:
-    """Llama's names, which its descendants keep; they differ in how q/k/v and the FFN are stored."""
+NORMS = (row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+         row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"))
+
+
+def llama_table(qkv: tuple[Row, ...] = QKV, mlp: tuple[Row, ...] = MLP, norms: tuple[Row, ...] = NORMS) -> tuple[Row, ...]:
+    """Llama's names, which its descendants keep; they differ in how q/k/v, the FFN and the norms are stored."""
     return (
         row("model.embed_tokens.weight", "embed_tokens.weight"),
-        row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+        *norms,
         *qkv,
         row(f"model.{ATTN}.o_proj.{{p}}", f"{ATTN}.o_proj.{{p}}"),
         row(f"model.{ATTN}.q_norm.weight", f"{ATTN}.q_norm.weight"),
         row(f"model.{ATTN}.k_norm.weight", f"{ATTN}.k_norm.weight"),
-        row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
         *mlp,
         row("model.norm.weight", "norm.weight"),
         row("lm_head.weight", "lm_head.weight"),
@@ -101,6 +104,12 @@ PHI3_TABLE = llama_table(
     mlp=(row("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.up_proj.weight"),
          row("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.weight")),
 )
+# OLMo-2 norms each sublayer's output (post_norm): our block's first norm is its post_attention_layernorm,
+# the second its post_feedforward_layernorm.
+OLMO2_TABLE = llama_table(norms=(
+    row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+    row("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
+))
 H = "transformer.h.{i}"
 GPT2_TABLE = (
     row("transformer.wte.weight", "embed_tokens.weight"),
@@ -129,7 +138,7 @@ GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu",
 GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
-def _rope(d: dict[str, Any], default_theta: float) -> dict[str, Any]:
+def read_rope(d: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """RoPE fields from transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
     params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None) or d.get("rope_theta") or default_theta
@@ -156,8 +165,7 @@ def _window(d: dict[str, Any], mode: str) -> int | None:
         return window
     if not d.get("use_sliding_window", False):
         return None
-    n = d["num_hidden_layers"]
-    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    types = qwen_layer_types(d)
     if all(t == "sliding_attention" for t in types):
         return window
     if all(t == "full_attention" for t in types):
@@ -165,6 +173,13 @@ def _window(d: dict[str, Any], mode: str) -> int | None:
     raise DecoderLMError(f"this {d['model_type']} checkpoint mixes sliding-window and full-attention layers, "
                          "which decoderlm does not support yet; "
                          "set use_sliding_window to false in config.json to run it with full attention")
+
+
+def qwen_layer_types(d: dict[str, Any]) -> list[str]:
+    """Qwen's attention kind per layer when use_sliding_window is on: config.json's layer_types, else
+    sliding from layer max_window_layers on (transformers' default for it: 28)."""
+    n = d["num_hidden_layers"]
+    return list(d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)])
 
 
 def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 1e-6, tie: bool = False,
@@ -178,7 +193,7 @@ def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 
         vocab_size=d["vocab_size"], n_layers=d["num_hidden_layers"], d_model=d["hidden_size"], n_heads=d["num_attention_heads"],
         n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=d.get("head_dim") or head_dim,
         ffn_hidden=d["intermediate_size"], max_seq_len=d.get("max_position_embeddings", 2048),
-        norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **_rope(d, theta),
+        norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **read_rope(d, theta),
         mlp=GATED_ACTS[act], attn_bias=bias, attn_out_bias=bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", tie)), sliding_window=_window(d, window), family=d["model_type"],
     )
@@ -265,6 +280,10 @@ def _read_gemma(d: dict[str, Any]) -> dict[str, Any]:
         embed_scale=math.sqrt(d["hidden_size"]), norm_offset=1.0)
 
 
+def _read_olmo2(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like(d, eps=1e-5) | dict(qk_norm=True, qk_norm_scope="all", post_norm=True)
+
+
 def _read_gpt2(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("scale_attn_by_inverse_layer_idx") or not d.get("scale_attn_weights", True):
         raise DecoderLMError("this gpt2 checkpoint scales attention differently (scale_attn_by_inverse_layer_idx / scale_attn_weights), "
@@ -296,6 +315,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _read_qwen3_moe, _write_qwen3_moe, QWEN3_MOE_TABLE),
     Family("phi3", "Phi3ForCausalLM", _read_phi3, _write_llama_like, PHI3_TABLE),
     Family("gemma", "GemmaForCausalLM", _read_gemma, _write_llama_like, LLAMA_TABLE),
+    Family("olmo2", "Olmo2ForCausalLM", _read_olmo2, _write_llama_like, OLMO2_TABLE),
 )}
 
 

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import empty_model
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies
 from decoderlm.tokenizer.bpe import HFTokenizer
@@ -60,21 +61,15 @@ TENSOR_NAMES = {
 _NAME_RE = re.compile(r"^(?P<base>.+?)\.(?P<param>weight|bias)$")
 
 
-def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tuple[Transformer, HFTokenizer]:
-    """(model in eval mode, tokenizer) from a .gguf file."""
+def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Transformer, HFTokenizer]:
+    """(model in eval mode on `device`, tokenizer) from a .gguf file."""
     path = Path(path)
-    try:
-        reader = FastReader(path)
-    except (OSError, ValueError) as e:
-        raise DecoderLMError(f"cannot read {path} as GGUF ({e}); give a valid .gguf file") from None
+    reader = open_gguf(path)
     meta = Metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_config(meta, tensors)
     tokenizer = gguf_tokenizer(meta)
-    with torch.device("meta"):  # no time spent on a random init that is overwritten anyway
-        model = Transformer(config).to(torch_dtype)
-    model = model.to_empty(device="cpu")
-    _restore_after_meta(model)
+    model = empty_model(config, torch_dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=not sys.stderr.isatty()):
@@ -94,6 +89,17 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tup
     return model.eval(), tokenizer
 
 
+def open_gguf(path: Path) -> "FastReader":
+    """The file's header and tensor index (nothing is read into memory yet)."""
+    if path.is_dir():
+        raise DecoderLMError(f"{path} is a directory; give the .gguf file itself")
+    try:
+        return FastReader(path)
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors ... on a truncated or foreign file
+        raise DecoderLMError(f"cannot read {path} as GGUF ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                             "the file is truncated or not a GGUF model: download or convert it again") from None
+
+
 class FastReader(GGUFReader):
     """GGUFReader over a plain ndarray view of the memory map: slicing an np.memmap runs Python code
     per slice, which made reading the ~100k tokenizer strings take seconds (4x faster this way)."""
@@ -102,15 +108,6 @@ class FastReader(GGUFReader):
         if name == "data" and isinstance(value, np.memmap):
             value = value.view(np.ndarray)  # still backed by (and keeping alive) the same mapping
         super().__setattr__(name, value)
-
-
-def _restore_after_meta(model: Transformer) -> None:
-    """to_empty() gives every parameter new storage, which unties lm_head from the embedding, and
-    leaves non-persistent buffers uninitialised: re-tie, and recompute the RoPE frequencies."""
-    c = model.config
-    if c.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.init_rope()
 
 
 class Metadata:
@@ -138,16 +135,25 @@ class Metadata:
 
 
 def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig:
+    """The model a GGUF file holds, for the architectures decoderlm runs."""
+    if meta.arch not in ARCHITECTURES:
+        raise DecoderLMError(f"GGUF architecture {meta.arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return ModelConfig(**gguf_fields(meta, tensors))
+
+
+def gguf_fields(meta: Metadata, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """The one reading of a GGUF header into ModelConfig fields, for any architecture: loading uses it
+    (after checking the architecture is one decoderlm runs) and so does `inspect` (for every file)."""
     arch = meta.arch
-    if arch not in ARCHITECTURES:
-        raise DecoderLMError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    if "token_embd.weight" not in tensors:
+        raise DecoderLMError("the GGUF file has no token_embd.weight tensor; it is not a language model decoderlm can read")
     n_heads = int(meta.require("{arch}.attention.head_count"))
     d_model = int(meta.require("{arch}.embedding_length"))
     head_dim = int(meta.get("{arch}.attention.key_length", d_model // n_heads))
     rot_dim = int(meta.get("{arch}.rope.dimension_count", head_dim))
     n_kv = meta.get("{arch}.attention.head_count_kv", n_heads)
     n_kv = max(n_kv) if isinstance(n_kv, list) else n_kv
-    vocab = meta.get("{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    vocab = tensors["token_embd.weight"].shape[-1]  # the embedding's rows (the token list may be padded or short)
     n_experts = int(meta.get("{arch}.expert_count") or 0)
     fields: dict[str, Any] = dict(
         vocab_size=int(vocab), n_layers=int(meta.require("{arch}.block_count")), d_model=d_model, n_heads=n_heads,
@@ -158,6 +164,10 @@ def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig
         attn_out_bias="blk.0.attn_output.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
+    if "blk.0.ffn_gate.weight" not in tensors and "blk.0.ffn_gate_exps.weight" not in tensors:
+        fields["mlp"] = "gelu_tanh"  # no gate: a plain MLP (GPT-2, and architectures decoderlm only inspects)
+    if "blk.0.attn_norm.bias" in tensors:
+        fields["norm"] = "layernorm"
     if arch == "gpt2":
         fields.update(norm="layernorm", position="learned", mlp="gelu_tanh", norm_eps=float(meta.get("{arch}.attention.layer_norm_epsilon", 1e-5)))
     else:
@@ -176,7 +186,7 @@ def gguf_config(meta: Metadata, tensors: dict[str, ReaderTensor]) -> ModelConfig
         moe_hidden = int(meta.get("{arch}.expert_feed_forward_length") or fields["ffn_hidden"])
         fields.update(n_experts=n_experts, n_experts_per_tok=int(meta.require("{arch}.expert_used_count")),
                       moe_hidden=moe_hidden, moe_renormalize=True)
-    return ModelConfig(**fields)
+    return fields
 
 
 def rope_freqs_scaling(factors: torch.Tensor, rot_dim: int, theta: float) -> dict[str, Any] | None:

@@ -24,7 +24,9 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import empty_model
 from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of
+from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import CharTokenizer
@@ -37,11 +39,19 @@ SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    """The one reading of an HF config.json: loading, converting and `inspect` all go through it."""
+    family = family_of(d.get("model_type"))
+    restore = "restore the checkpoint's original config.json"
     try:
-        return ModelConfig(**family_of(d.get("model_type")).read(d))
+        fields = family.read(d)
     except KeyError as e:
-        raise DecoderLMError(f"config.json lacks {e.args[0]!r}, which a {d.get('model_type')} config needs; "
-                             "restore the checkpoint's original config.json") from None
+        raise DecoderLMError(f"config.json lacks {e.args[0]!r}, which a {family.model_type} config needs; {restore}") from None
+    except (TypeError, ValueError) as e:  # null or a string where a number belongs
+        raise DecoderLMError(f"config.json has a value of the wrong type ({e}); {restore}") from None
+    try:
+        return ModelConfig(**fields)
+    except DecoderLMError as e:
+        raise DecoderLMError(f"config.json has a value of the wrong type or out of range ({e}); {restore}") from None
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -51,30 +61,30 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d = {"architectures": [family.architecture], "model_type": family.model_type, **family.write(config)}
     back = ModelConfig(**family.read(d))
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("dropout", "extra") and getattr(back, f.name) != getattr(config, f.name):
+        if f.name != "dropout" and getattr(back, f.name) != getattr(config, f.name):
             ours, theirs = getattr(config, f.name), getattr(back, f.name)
             raise DecoderLMError(f"this model cannot be saved as an HF {family.model_type} checkpoint: {f.name}={ours!r} "
                                  f"has no {family.model_type} equivalent (it would load as {theirs!r})")
     return d
 
 
-def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32) -> tuple[Transformer, HFTokenizer]:
-    """(model in eval mode, tokenizer) from an HF folder."""
+def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Transformer, HFTokenizer]:
+    """(model in eval mode on `device`, tokenizer) from an HF folder."""
     path = Path(path)
-    config = config_from_hf(_read_json(path / "config.json"))
+    config = config_from_hf(read_config(path))
     if not (path / "tokenizer.json").is_file():
         raise DecoderLMError(f"{path} has no tokenizer.json (decoderlm reads the fast-tokenizer file); "
                              "copy the tokenizer files from the original checkpoint into it")
     tokenizer = HFTokenizer.from_hf_folder(path)
-    model = load_weights(path, config, torch_dtype)
+    model = load_weights(path, config, torch_dtype, device)
     model.generation_defaults = generation_defaults(path)
     return model.eval(), tokenizer
 
 
 @torch.no_grad()
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transformer:
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
     family = family_of(config.family)
-    model = _empty_model(config, dtype)
+    model = empty_model(config, dtype, device)
     params = model.state_dict()
     table = expand(family, config, set(params))
     files = _weight_files(path)
@@ -97,20 +107,9 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> Transfo
     return model
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """Parameters allocated once in `dtype`, with no values yet."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to(dtype).to_empty(device="cpu")
-    if config.tie_embeddings:  # to_empty gives each module its own storage
-        model.lm_head.weight = model.embed_tokens.weight
-    model.init_rope()  # a computed buffer: the meta build held no values
-    return model
-
-
 def _weight_files(path: Path) -> list[Path]:
     if (path / INDEX_NAME).is_file():
-        weight_map = _read_json(path / INDEX_NAME).get("weight_map") or {}
+        weight_map = read_json(path / INDEX_NAME, "shard index", "download the checkpoint's index file again").get("weight_map") or {}
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         for file in files:
             if not file.is_file():
@@ -236,10 +235,6 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2) or ""])
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise DecoderLMError(f"{path} is missing; an HF model folder needs config.json next to its weights")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DecoderLMError(f"cannot read {path} ({e}); restore the checkpoint's original file") from None
+def read_config(folder: Path) -> dict[str, Any]:
+    """An HF folder's config.json as a dict."""
+    return read_json(folder / "config.json", "config.json", "restore the checkpoint's original config.json next to its weights")

@@ -73,8 +73,9 @@ def _attention(parts: dict[str, Part], spec: ArchSpec, i: int) -> None:
     _linear(parts, "o_proj", "attention", i, spec, q, d, spec.o_bias)
     if spec.attn_sinks:
         _add(parts, "sinks", "attention", i, spec.n_layers, H)
-    if spec.qk_norm:  # always an RMSNorm over one head
-        _add(parts, "q_norm/k_norm", "norms", i, spec.n_layers, 2 * spec.head_dim)
+    if spec.qk_norm:  # an RMSNorm over one head (shared by all heads), or over all heads at once
+        width = (H + spec.n_kv_heads) * spec.head_dim if spec.qk_norm_all_heads else 2 * spec.head_dim
+        _add(parts, "q_norm/k_norm", "norms", i, spec.n_layers, width)
 
 
 def _ffn(parts: dict[str, Part], spec: ArchSpec, i: int) -> None:

@@ -2,9 +2,11 @@
 
 `ModelConfig` describes the families decoderlm can run; `ArchSpec` also describes ones it only
 accounts for (DeepSeek-V3's latent attention, gpt-oss's attention sinks, Gemma's sandwich norms,
-shared experts), so `inspect` reads raw HF config.json dicts itself instead of going through
-`ModelConfig`. A source is a config.json, an HF folder, a .gguf (metadata only), a run folder, a
-preset name or a known name.
+shared experts). A config.json of a family decoderlm runs, and every GGUF header, is read by the
+same code that loads the model (`formats.hf.config_from_hf`, `formats.gguf.gguf_fields`), so
+`inspect` and `load` cannot describe one checkpoint differently; only the other families are read
+here. A source is a config.json, an HF folder, a .gguf (metadata only), a run folder, a preset name
+or a known name.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoderlm.config import PRESETS, ModelConfig
+from decoderlm.config import PRESETS, ModelConfig, fits_annotation
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats.families import FAMILIES, qwen_layer_types, read_rope
+from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
+from decoderlm.formats.hf import config_from_hf
+from decoderlm.jsonio import read_json
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Families whose HF config leaves tie_word_embeddings to the class default of True.
@@ -43,6 +49,8 @@ class ArchSpec:
     norm_bias: bool = True  # LayerNorm only: a bias beside the weight
     norms_per_layer: int = 2  # 4 with sandwich norms (Gemma-2/3)
     qk_norm: bool = False  # a head_dim norm on q and on k (Qwen3, Gemma-3)
+    qk_norm_all_heads: bool = False  # the q/k norms span all heads' features instead (OLMo-2)
+    post_norm: bool = False  # sublayer outputs are normed before the residual add, inputs are not (OLMo-2)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -119,7 +127,8 @@ class ArchSpec:
             dense = f"; dense FFN in {len(self.dense_layers)} layer(s)" if self.dense_layers else ""
             lines.append(f"MoE: {self.n_experts} experts, {self.n_experts_per_tok} per token{shared}, expert hidden {self.moe_hidden:,}{dense}")
         lines.append("embeddings: tied (lm_head reuses embed_tokens)" if self.tie_embeddings else "embeddings: untied (separate lm_head)")
-        extras = [name for name, on in (("q/k norm", self.qk_norm), ("sandwich norms", self.norms_per_layer == 4),
+        qk = "q/k norm" + (" over all heads" if self.qk_norm_all_heads else "")
+        extras = [name for name, on in ((qk, self.qk_norm), ("sandwich norms", self.norms_per_layer == 4), ("post-norm", self.post_norm),
                                         ("attention sinks", self.attn_sinks), ("q/k/v bias", self.qkv_bias)) if on]
         lines.append(f"norm: {self.norm}" + (f"; {', '.join(extras)}" if extras else ""))
         return lines
@@ -136,17 +145,29 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     """An HF config.json dict (any family, runnable by decoderlm or not)."""
     if "text_config" in cfg:  # multimodal wrappers (Gemma-3 4B+): account for the language model
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    if cfg.get("model_type") in FAMILIES:
+        try:
+            return spec_from_model_config(config_from_hf(cfg), source)
+        except DecoderLMError as refused:  # a variant loading refuses (mixed sliding/full or dense/MoE layers, ...): still report it
+            try:
+                return _spec_from_other_hf(cfg, source)
+            except DecoderLMError:
+                raise refused from None  # the loader's message says more
+    return _spec_from_other_hf(cfg, source)
+
+
+def _spec_from_other_hf(cfg: dict[str, Any], source: str) -> ArchSpec:
+    """Families decoderlm does not run, and variants of runnable ones that loading refuses, read generically."""
     family = cfg.get("model_type") or "unknown"
     try:
         d = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
         n_layers = int(_first(cfg, "num_hidden_layers", "n_layer"))
         n_heads = int(_first(cfg, "num_attention_heads", "n_head"))
         vocab = int(cfg["vocab_size"])
-    except (TypeError, KeyError):
+        rope = read_rope(cfg)
+    except (TypeError, KeyError, ValueError):
         raise DecoderLMError(f"{source or 'config'} is not an HF model config (needs hidden_size, num_hidden_layers, num_attention_heads, vocab_size)") from None
     gpt2 = family in GPT2_LIKE
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     spec = ArchSpec(
         family=family, vocab_size=vocab, n_layers=n_layers, d_model=d, n_heads=n_heads,
         n_kv_heads=int(_first(cfg, "num_key_value_heads", default=n_heads)),
@@ -160,18 +181,28 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
         attn_sinks=family == "gpt_oss", learned_positions=int(cfg.get("n_positions", 0)) if gpt2 else 0,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
         max_seq_len=int(_first(cfg, "max_position_embeddings", "n_positions", default=0)),
-        rope_theta=None if gpt2 else float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
-        rope_scaling=None if gpt2 else scaling, source=source,
+        rope_theta=None if gpt2 else rope["rope_theta"], rope_scaling=None if gpt2 else rope["rope_scaling"], source=source,
     )
-    _read_windows(cfg, spec)
-    _read_moe(cfg, spec)
-    if cfg.get("kv_lora_rank"):
-        spec.q_lora_rank = int(cfg.get("q_lora_rank") or 0)
-        spec.kv_lora_rank = int(cfg["kv_lora_rank"])
-        spec.qk_rope_head_dim, spec.qk_nope_head_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
-        spec.v_head_dim = int(cfg["v_head_dim"])
-        spec.head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    try:
+        _read_windows(cfg, spec)
+        _read_moe(cfg, spec)
+        _read_mla(cfg, spec)
+    except KeyError as e:
+        raise DecoderLMError(f"{source or 'config'} lacks {e.args[0]!r}, which its other fields call for; restore the original config.json") from None
+    except (TypeError, ValueError) as e:
+        raise DecoderLMError(f"{source or 'config'} has a value of the wrong type ({e}); restore the original config.json") from None
     return spec
+
+
+def _read_mla(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    """DeepSeek's multi-head latent attention: K/V (and optionally Q) through low-rank latents."""
+    if not cfg.get("kv_lora_rank"):
+        return
+    spec.q_lora_rank = int(cfg.get("q_lora_rank") or 0)
+    spec.kv_lora_rank = int(cfg["kv_lora_rank"])
+    spec.qk_rope_head_dim, spec.qk_nope_head_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    spec.v_head_dim = int(cfg["v_head_dim"])
+    spec.head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
 
 
 def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
@@ -187,7 +218,7 @@ def _read_windows(cfg: dict[str, Any], spec: ArchSpec) -> None:
     elif spec.family == "gemma2":  # alternating, starting with a local layer
         types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
     elif cfg.get("use_sliding_window"):  # Qwen: only the layers from max_window_layers on
-        types = [SLIDING if i >= int(cfg.get("max_window_layers", 0)) else FULL for i in range(n)]
+        types = qwen_layer_types(cfg)
     else:
         types = None
     if types is not None and SLIDING not in types:
@@ -215,64 +246,29 @@ def _read_moe(cfg: dict[str, Any], spec: ArchSpec) -> None:
 
 
 def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
-    """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model)."""
+    """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model, a read checkpoint)."""
     return ArchSpec(
         family=cfg.family, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in ("swiglu", "geglu"),
-        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm,
+        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm, qk_norm_all_heads=cfg.qk_norm_scope == "all", post_norm=cfg.post_norm,
         qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias,
         learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
-        max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None, rope_scaling=cfg.rope_scaling,
+        max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+        rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None,
         sliding_window=cfg.sliding_window, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
         moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
     )
 
 
 def spec_from_gguf(path: Path) -> ArchSpec:
-    """GGUF metadata only (no weights are read): the keys llama.cpp writes under the architecture name."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:
-        raise DecoderLMError(f"cannot read GGUF file {path}: {e}") from None
-
-    def value(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return field.contents() if field is not None else default
-
-    arch = value("general.architecture", "llama")
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise DecoderLMError(f"{path} has no token_embd.weight tensor; is it a language model GGUF?")
-    d, n_heads = int(value(f"{arch}.embedding_length")), int(value(f"{arch}.attention.head_count"))
-    gpt2 = arch == "gpt2"
-    spec = ArchSpec(
-        family=arch, vocab_size=int(tensors["token_embd.weight"].shape[-1]), n_layers=int(value(f"{arch}.block_count")),
-        d_model=d, n_heads=n_heads, n_kv_heads=int(value(f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(value(f"{arch}.attention.key_length", d // n_heads)), ffn_hidden=int(value(f"{arch}.feed_forward_length", 4 * d)),
-        gated_mlp="blk.0.ffn_gate.weight" in tensors or "blk.0.ffn_gate_exps.weight" in tensors,
-        norm="layernorm" if "blk.0.attn_norm.bias" in tensors else "rmsnorm", qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
-        mlp_bias="blk.0.ffn_up.bias" in tensors,
-        learned_positions=int(tensors["position_embd.weight"].shape[-1]) if "position_embd.weight" in tensors else 0,
-        tie_embeddings="output.weight" not in tensors, max_seq_len=int(value(f"{arch}.context_length", 0)),
-        rope_theta=None if gpt2 else float(value(f"{arch}.rope.freq_base", 10000.0)),
-        sliding_window=value(f"{arch}.attention.sliding_window"), source=str(path),
-    )
-    if value(f"{arch}.expert_count"):
-        spec.n_experts, spec.n_experts_per_tok = int(value(f"{arch}.expert_count")), int(value(f"{arch}.expert_used_count"))
-        spec.moe_hidden = int(value(f"{arch}.expert_feed_forward_length", spec.ffn_hidden))
-    return spec
+    """GGUF metadata only (no weights are read), through the loader's own reading of the header."""
+    reader = open_gguf(path)
+    config = ModelConfig(**gguf_fields(Metadata(reader), {t.name: t for t in reader.tensors}))
+    return spec_from_model_config(config, str(path))
 
 
 def _from_json(path: Path) -> ArchSpec:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DecoderLMError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise DecoderLMError(f"{path} does not hold a config object")
+    cfg = read_json(path, "config file", "give an HF config.json or a ModelConfig .json")
     if "d_model" in cfg and "n_layers" in cfg:  # a decoderlm ModelConfig
         return spec_from_model_config(ModelConfig.from_dict(cfg), str(path))
     return spec_from_hf(cfg, str(path))
@@ -292,15 +288,15 @@ def read_spec(source: str | Path) -> ArchSpec:
         return spec_from_gguf(path)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         return spec_from_model_config(ModelConfig.from_dict(checkpoint.read(path)["config"]), str(path))
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and (path / "config.json").exists():  # read_json explains a config.json that is not a file
         return _from_json(path / "config.json")
     raise DecoderLMError(f"{source} is not something inspect can read: give a config.json, an HF folder, a .gguf, a run folder or a preset ({', '.join(PRESETS)})")
 
 
 def with_overrides(spec: ArchSpec, overrides: dict[str, str]) -> ArchSpec:
     """A copy with some fields changed (values parsed as JSON: `n_kv_heads=1`, `sliding_window=null`)."""
-    fields = {f.name for f in dataclasses.fields(ArchSpec)}
-    changes = {}
+    fields = {f.name: f for f in dataclasses.fields(ArchSpec)}
+    changes: dict[str, Any] = {}
     for key, raw in overrides.items():
         if key not in fields:
             raise DecoderLMError(f"cannot override {key!r}; choose from {', '.join(sorted(fields))}")
@@ -308,4 +304,13 @@ def with_overrides(spec: ArchSpec, overrides: dict[str, str]) -> ArchSpec:
             changes[key] = json.loads(raw)
         except json.JSONDecodeError:
             changes[key] = raw
-    return dataclasses.replace(spec, **changes)
+        if not fits_annotation(changes[key], str(fields[key].type)):
+            raise DecoderLMError(f"cannot override {key} with {raw!r}; it must be {fields[key].type}")
+    new = dataclasses.replace(spec, **changes)
+    for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden"):
+        if getattr(new, name) <= 0:
+            raise DecoderLMError(f"override {name}={getattr(new, name)} must be a positive number")
+    if not new.mla and new.n_heads % new.n_kv_heads:
+        raise DecoderLMError(f"n_heads {new.n_heads} must be a multiple of n_kv_heads {new.n_kv_heads}")
+    return new
+

@@ -71,12 +71,22 @@ def summary(acc: Accounting, context: int, batch: int) -> list[str]:
     return lines
 
 
-def report(acc: Accounting, context: int, batch: int) -> str:
+def header(acc: Accounting) -> list[str]:
+    """What the model is: source, family, shape, and what sets the family apart."""
     s = acc.spec
     head = [f"{s.source or s.family}", f"family {s.family}: {s.n_layers} layers, d_model {s.d_model:,}, head_dim {s.head_dim}, "
             f"FFN hidden {s.ffn_hidden:,}, vocab {s.vocab_size:,}"]
-    head += [f"  {line}" for line in s.features()]
-    return "\n".join(head + [""] + parameter_table(acc) + [""] + summary(acc, context, batch))
+    return head + [f"  {line}" for line in s.features()]
+
+
+def report(acc: Accounting, context: int, batch: int) -> str:
+    """The full report: the short one with the parameter table by part in between."""
+    return "\n".join(header(acc) + [""] + parameter_table(acc) + [""] + summary(acc, context, batch))
+
+
+def short(acc: Accounting, context: int, batch: int) -> str:
+    """`decoderlm info` (= `inspect --short`): the report without the parameter table."""
+    return "\n".join(header(acc) + [""] + summary(acc, context, batch))
 
 
 def compare(accs: list[Accounting], names: list[str], context: int, batch: int) -> str:

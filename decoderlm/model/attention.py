@@ -72,17 +72,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kvd, bias=config.attn_bias)
         self.v_proj = nn.Linear(d, kvd, bias=config.attn_bias)
         self.o_proj = nn.Linear(qd, d, bias=config.attn_out_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.norm_all_heads = config.qk_norm_scope == "all"  # OLMo-2: one norm over all heads' features
+        q_width, k_width = (qd, kvd) if self.norm_all_heads else (config.head_dim, config.head_dim)
+        self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of x (B, T, d_model), split into heads, normed and rotated."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H·D), (B, T, Hkv·D)
+        if self.q_norm is not None and self.norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

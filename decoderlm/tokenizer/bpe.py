@@ -14,6 +14,7 @@ from typing import Any
 from tokenizers import Tokenizer, processors
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.jsonio import read_json
 from decoderlm.tokenizer.chat import Message, render_chat
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -62,14 +63,14 @@ class HFTokenizer:
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises plain Exceptions
             raise DecoderLMError(f"cannot read {file}: {e}; re-save it with a current tokenizers/transformers") from None
-        config = _read_json(path / "tokenizer_config.json")
+        config = read_json(path / "tokenizer_config.json", "tokenizer_config.json", "fix or delete it", missing_ok=True)
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         specials = {name: _content(config.get(name)) for name in SPECIAL_NAMES}
-        eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        eos = read_json(path / "generation_config.json", "generation_config.json", "fix or delete it", missing_ok=True).get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         # BOS/EOS come from tokenizer.json's post-processor: transformers ignores add_bos_token here too.
         return cls(tokenizer, special_tokens=specials, eos_token_ids=eos_ids, chat_template=template)
@@ -112,15 +113,6 @@ class HFTokenizer:
         return render_chat(self.chat_template, messages, add_generation_prompt, **{k: v for k, v in self.special_tokens.items() if v is not None})
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DecoderLMError(f"{path} is not valid JSON ({e}); fix or delete it") from None
-
-
 def _content(token: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
@@ -129,7 +121,7 @@ def _content(token: Any) -> str | None:
 def generation_defaults(folder: str | Path) -> dict[str, Any]:
     """generation_config.json → SamplingParams fields. Greedy unless do_sample is set, as in transformers
     (whose sampling defaults, e.g. top_k=50, also apply when a field is absent)."""
-    config = _read_json(Path(folder) / "generation_config.json")
+    config = read_json(Path(folder) / "generation_config.json", "generation_config.json", "fix or delete it", missing_ok=True)
     if not config:
         return {}
     if not config.get("do_sample", False):

@@ -1,36 +1,62 @@
-"""Incremental detokenization that never prints half a character.
+"""Incremental detokenization: text as tokens arrive, never half a character, never a lost space.
 
-A multi-byte UTF-8 character (Chinese, emoji) can span several byte-level BPE tokens; decoding a
-prefix of them yields U+FFFD. We hold text back until it decodes cleanly, and decode a short window
-of recent ids (not the whole output) so each step stays cheap — and so tokenizers that add a space
-depending on the previous token still decode in context.
+Two things make decoding one token at a time wrong. A multi-byte UTF-8 character (Chinese, emoji) can
+span several byte-level BPE or byte-fallback tokens; decoding a prefix of them yields U+FFFD. And
+SentencePiece decoders (Llama 2, Mistral) drop the leading space of the first word they decode, so
+"▁world" alone decodes to "world", but after "▁Hello" to " world". So we decode a short window of
+recent ids that starts with ids already printed (the first window: the prompt's last ids) and print
+only what the window adds beyond them. Text that still ends in U+FFFD is held back, and a window never
+starts inside a character (a byte-fallback decoder turns a whole run of byte pieces into U+FFFD if
+the run, cut at the window's start, is not valid UTF-8).
+
+The result: decode(prompt) + streamed text == decode(prompt + generated ids), but for a trailing
+incomplete character. (A run of byte pieces with an invalid byte decodes to U+FFFD as a whole; a
+stream that already printed the run's valid start keeps it.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from decoderlm.tokenizer.char import CharTokenizer
+
+CONTEXT = 8  # prompt ids decoded with the first new ones: enough for a 4-byte character and a word before it
 
 
 class StreamDecoder:
-    def __init__(self, tokenizer: "CharTokenizer | object") -> None:
+    def __init__(self, tokenizer: "CharTokenizer | object", prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        prompt = list(prompt_ids)
+        start = max(0, len(prompt) - CONTEXT)
+        while start and self._inside_a_character(prompt[start:]):
+            start -= 1
+        self.ids: list[int] = prompt[start:]
         self.prefix = 0  # window start: ids before it are printed and no longer needed as context
-        self.read = 0  # ids up to here have been printed
+        self.read = len(self.ids)  # ids before this are printed (or are the prompt's)
+        # The text of ids[prefix:read]. A prompt that ends inside a character has printed only what
+        # comes before it, so the character comes out whole when the generated ids complete it.
+        self.printed = tokenizer.decode(self.ids).rstrip("\ufffd")
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
-        printed = self.tokenizer.decode(self.ids[self.prefix : self.read])
         text = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(text) <= len(printed) or text.endswith("\ufffd"):
+        if len(text) <= len(self.printed) or text.endswith("\ufffd"):
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(printed) :]
+        new = text[len(self.printed) :]
+        if not self._inside_a_character(self.ids[self.read :]):
+            self.prefix = self.read
+        self.read = len(self.ids)
+        self.printed = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        return new
 
     def flush(self) -> str:
         """Whatever is still held back at the end (a trailing incomplete character is dropped)."""
-        printed = self.tokenizer.decode(self.ids[self.prefix : self.read])
         text = self.tokenizer.decode(self.ids[self.prefix :])
+        new = text[len(self.printed) :].rstrip("\ufffd")
         self.prefix = self.read = len(self.ids)
-        return text[len(printed) :].rstrip("\ufffd")
+        self.printed = ""
+        return new
+
+    def _inside_a_character(self, ids: list[int]) -> bool:
+        return self.tokenizer.decode(ids).startswith("\ufffd")

@@ -11,25 +11,28 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import Transformer
 from decoderlm.tokenizer import CharTokenizer
+from decoderlm.tokenizer.bpe import HFTokenizer
 
-CKPT_NAME = "ckpt.pt"
+CKPT_NAME = "ckpt.pt"  # the last state
+BEST_NAME = "best.pt"  # the state with the lowest val loss so far
+SHARDED_NAME = "shards"  # FSDP runs: torch.distributed.checkpoint folders, shards/ckpt-STEP, shards/best-STEP
 FORMAT_VERSION = 1  # 0: files written before the version was recorded (read and upgraded)
 REQUIRED = ("model", "config", "tokenizer", "step")
 
 
-def save(run_dir: Path, state: dict[str, Any]) -> Path:
-    path = run_dir / CKPT_NAME
-    tmp = run_dir / (CKPT_NAME + ".tmp")
+def save(run_dir: Path, state: dict[str, Any], name: str = CKPT_NAME) -> Path:
+    """Write `state` as run_dir/name (ckpt.pt: the last state; best.pt: the best val loss so far)."""
+    path = run_dir / name
+    tmp = run_dir / (name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save({"format_version": FORMAT_VERSION} | state, f)
@@ -42,6 +45,14 @@ def save(run_dir: Path, state: dict[str, Any]) -> Path:
     finally:
         tmp.unlink(missing_ok=True)  # after a failure or Ctrl-C; gone already after the rename
     return path
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The step of the run's last checkpoint, or None if it has none (read without a full check)."""
+    try:
+        return int(read(run_dir)["step"])
+    except DecoderLMError:
+        return None
 
 
 def read(run_dir: str | Path) -> dict[str, Any]:
@@ -86,9 +97,77 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def load_model(run_dir: str | Path) -> tuple[Transformer, CharTokenizer]:
-    """The trained model (eval mode) and its tokenizer from a run folder."""
-    state = read(run_dir)
-    model = Transformer(ModelConfig.from_dict(state["config"]))
-    model.load_state_dict(state["model"])
-    return model.eval(), CharTokenizer.from_dict(state["tokenizer"])
+# --- FSDP runs: sharded states (torch.distributed.checkpoint) -------------------------------------
+
+
+def save_sharded(run_dir: Path, name: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> str:
+    """Each process writes its own shards of the model and optimizer into a new folder; returns its
+    path relative to run_dir. A new folder per save, so the one ckpt.pt names stays whole until the new
+    ckpt.pt replaces it (then `drop_old_shards` removes the old folders)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    folder = f"{SHARDED_NAME}/{Path(name).stem}-{step}"
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=run_dir / folder)
+    return folder
+
+
+def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a sharded state into `model` (and `optimizer`): sharded under FSDP, or whole in a single
+    process without any process group (torch.distributed.checkpoint reshards as it reads)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not folder.is_dir():
+        raise DecoderLMError(f"the sharded checkpoint {folder} is missing; restore it from a copy or retrain")
+    if optimizer is None:
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=folder)
+        model.load_state_dict(state["model"])
+        return
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def drop_old_shards(run_dir: Path, name: str) -> None:
+    """Remove the shard folders of `name` (ckpt or best) that its checkpoint no longer points to."""
+    import shutil
+
+    keep = read_path(run_dir / name).get("sharded")
+    for folder in (run_dir / SHARDED_NAME).glob(f"{Path(name).stem}-*"):
+        if f"{SHARDED_NAME}/{folder.name}" != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_path(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded model's whole state dict on the CPU (every process must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def tokenizer_to_dict(tokenizer: CharTokenizer | HFTokenizer) -> dict[str, Any]:
+    """Plain data for the checkpoint (no pickled objects): a char vocabulary, or a `tokenizers` JSON
+    with the special tokens and chat template around it."""
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.to_dict()
+    return {"type": "hf", "json": tokenizer.tokenizer.to_str(), "special_tokens": tokenizer.special_tokens,
+            "eos_token_ids": tokenizer.eos_token_ids, "chat_template": tokenizer.chat_template}
+
+
+def tokenizer_from_dict(data: dict[str, Any]) -> CharTokenizer | HFTokenizer:
+    if data.get("type", "char") == "char":
+        return CharTokenizer.from_dict(data)
+    from tokenizers import Tokenizer
+
+    return HFTokenizer(Tokenizer.from_str(data["json"]), special_tokens=data["special_tokens"],
+                       eos_token_ids=data["eos_token_ids"], chat_template=data["chat_template"])

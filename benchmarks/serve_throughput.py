@@ -1,0 +1,192 @@
+"""Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
+
+The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in fp32 (its default),
+llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
+streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
+all clients of a level start together. Reported per level: aggregate generated tokens per second
+(all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
+(gaps between streamed chunks), and the throughput as a multiple of one stream. Both servers get
+the same --threads (1 is the fair choice on a machine other jobs share: llama.cpp's threads spin-wait
+for each other, which collapses when cores are oversubscribed); each level is run --repeats times and
+the best throughput kept, with latencies from that run.
+
+llama-server is optional (`--llama-server PATH`). The binary measured for the README was built from
+the llama.cpp tree vendored in llama-cpp-python's source release, outside the repo:
+
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp     # llama_cpp_python-0.3.36
+    tar xzf /tmp/lcp/llama_cpp_python-*.tar.gz -C /tmp/lcp && cd /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
+
+    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize int8,int4] [--streams 1,4,8,16] [--threads N]
+
+Writes benchmarks/results/serve_throughput.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+
+from decoderlm.names import DEFAULT_MODEL, locate
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "serve_throughput.json"
+LLAMA_SERVER_BUILD = "llama.cpp vendored in llama-cpp-python 0.3.36 (sdist), cmake Release, GGML_NATIVE=ON; see this file's docstring"
+TOPICS = ["the sea", "a lighthouse keeper", "mountains in winter", "a small robot", "the history of bread", "a city at night",
+          "learning to swim", "an old library", "the first computer", "a garden in spring", "a train journey", "the moon landing",
+          "a chess match", "a forgotten song", "volcanoes", "a friendly dragon"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, topic: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start, arrivals, tokens = time.perf_counter(), [], None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    return {"start": start, "arrivals": arrivals, "tokens": tokens if tokens is not None else len(arrivals)}
+
+
+async def run_level(url: str, model: str, streams: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(one_stream(client, url, model, TOPICS[i % len(TOPICS)], max_tokens) for i in range(streams)))
+        wall = time.perf_counter() - t0
+    ttft = [r["arrivals"][0] - r["start"] for r in runs if r["arrivals"]]
+    itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    tokens = sum(r["tokens"] for r in runs)
+    return {"streams": streams, "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95),
+            "itl_p50": percentile(itl, 0.5), "itl_p95": percentile(itl, 0.95)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy in {timeout} s")
+
+
+def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "decoderlm", "serve", "--model", DEFAULT_MODEL, "--port", str(port), "--max-batch", str(max(args.streams))]
+    cmd += ["--quantize", quantize] if quantize else []
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, DEFAULT_MODEL
+
+
+def start_llama(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, str]:
+    slots = max(args.streams)
+    cmd = [args.llama_server, "-m", str(locate(DEFAULT_MODEL)), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
+           "--ctx-size", str(slots * 512), "--cont-batching", "--ignore-eos", "--no-webui"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads), "--threads-batch", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, DEFAULT_MODEL
+
+
+def bench(name: str, start, args: argparse.Namespace) -> list[dict]:
+    port = free_port()
+    proc, model = start(args, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        asyncio.run(run_level(url, model, 1, 8))  # warm-up
+        levels = []
+        for streams in args.streams:
+            runs = [asyncio.run(run_level(url, model, streams, args.max_tokens)) for _ in range(args.repeats)]
+            best = max(runs, key=lambda r: r["tok_s"])
+            print(f"{name:>12} {streams:>2} streams: {best['tok_s']:7.1f} tok/s", flush=True)
+            levels.append(best)
+        for level in levels:
+            level["ratio_to_1"] = level["tok_s"] / levels[0]["tok_s"]
+        return levels
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| server | streams | tok/s | × 1 stream | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |", "|---|---:|---:|---:|---:|---:|"]
+    for name, levels in results.items():
+        for r in levels:
+            ms = {k: round(1e3 * r[k]) for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
+            lines.append(f"| {name} | {r['streams']} | {r['tok_s']:.1f} | {r['ratio_to_1']:.2f} | {ms['ttft_p50']} / {ms['ttft_p95']} "
+                         f"| {ms['itl_p50']} / {ms['itl_p95']} |")
+    if "llama-server" in results and len(results) > 1:
+        ours = [name for name in results if name != "llama-server"]
+        lines += ["", "| streams | " + " | ".join(f"{name} / llama-server" for name in ours) + " |", "|---:|" + "---:|" * len(ours)]
+        for i, ref in enumerate(results["llama-server"]):
+            lines.append(f"| {ref['streams']} | " + " | ".join(f"{results[name][i]['tok_s'] / ref['tok_s']:.2f}" for name in ours) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary (optional)")
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--quantize", type=lambda s: s.split(","), default=[], help="also serve with these --quantize modes, e.g. int8,int4")
+    args = p.parse_args()
+    servers = {"decoderlm": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
+    servers |= {"llama-server": start_llama} if args.llama_server else {}
+    results: dict[str, list[dict]] = {}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    for name, start in servers.items():
+        results[name] = bench(name, start, args)
+        meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
+                "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL,
+                "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None}
+        RESULTS.write_text(json.dumps(meta | {"results": results}, indent=2) + "\n")
+    print(table(results))
+    print(f"wrote {RESULTS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""`decoderlm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over the batching engine.
+
+The port is bound before the model loads, so a port in use is a one-line error at once. SIGTERM and
+Ctrl-C stop the server cleanly (see `decoderlm.serve.api.serve`), and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import sys
+
+from decoderlm.cli.common import add_model_flags, load_model
+from decoderlm.errors import DecoderLMError
+from decoderlm.names import DEFAULT_MODEL
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)",
+                       epilog="Example: decoderlm serve --port 8000, then: curl http://127.0.0.1:8000/v1/models")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together in one step")
+    p.add_argument("--kv-cache-memory", default=None, help="KV-cache pool size, e.g. 512MiB, 1GiB, 2GB (default: the engine's)")
+    add_model_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' → bytes. Decimal (KB, MB, GB) and binary (KiB, MiB, GiB) units; a bare number is bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in UNITS or float(m.group(1)) * UNITS[unit] < 1:
+        raise DecoderLMError(f"--kv-cache-memory {text!r} is not a size; write e.g. 512MiB, 1GiB or 2GB")
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise DecoderLMError(f"--port must be in 0..65535, got {port}")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DecoderLMError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from decoderlm.serve import Engine
+    from decoderlm.serve.api import create_app, serve
+
+    if args.max_batch < 1:
+        raise DecoderLMError(f"--max-batch must be a positive integer, got {args.max_batch}")
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+    sock = bind(args.host, args.port)
+    try:
+        model, tokenizer = load_model(args)
+        engine = Engine(model, max_batch=args.max_batch, kv_cache_memory=memory)
+        app = create_app(engine, tokenizer, args.model, args.api_key, max_seq_len=model.config.max_seq_len,
+                         sampling_defaults=model.generation_defaults)
+        host, port = sock.getsockname()[:2]
+        print(f"serving {args.model} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        engine.start()
+        try:
+            serve(app, engine, sock)
+        finally:
+            engine.shutdown()
+    finally:
+        sock.close()
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,174 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, and a block table per sequence.
+
+A sequence's keys and values live in whatever blocks it was given, in table order, so memory grows
+a block at a time with the tokens a sequence really has, and a finished one returns its blocks at
+once. A full block is also named by a hash of its content and of every token before it; a later
+sequence with the same prefix points its table at that block instead of computing it again
+(prefix caching). Reference counts say how many tables hold a block; a block nobody holds but whose
+content is known stays reusable in an LRU until the pool needs it back.
+
+`PagedCache` is the view of one forward: a batch of sequences of different lengths, each adding
+some new tokens, through the `decoderlm.kv_cache.Cache` contract the model already writes through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import torch
+
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import build_mask
+
+NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The name of a full block: a digest of the previous block's name and this block's ids, so
+    equal names mean equal tokens all the way from the start of the sequence."""
+    h = hashlib.sha256(parent or b"")
+    h.update(",".join(map(str, token_ids)).encode())
+    return h.digest()
+
+
+class BlockPool:
+    """Per layer, K and V for num_blocks × block_size token slots, and the bookkeeping of who holds
+    which block. Slot s of block b is row b·block_size + s of each (slots, Hkv, D) tensor."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if block_size < 1 or num_blocks < 2:
+            raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), "
+                                 f"got {num_blocks} blocks of {block_size}")
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)  # (slots, Hkv, D)
+        # Zeros, not empty: masked slots still enter softmax·V with weight 0, and 0·NaN would be NaN.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(1, num_blocks))  # blocks with no known content
+        self.cached: OrderedDict[int, None] = OrderedDict()  # held by nobody, content known; oldest first
+        self.by_hash: dict[bytes, int] = {}
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        """KV memory one token takes: K and V of every layer."""
+        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a sequence can ever hold (all but the null block)."""
+        return self.num_blocks - 1
+
+    def num_available(self) -> int:
+        """Blocks that `allocate` can hand out now: free ones and cached ones nobody holds."""
+        return len(self.free) + len(self.cached)
+
+    def num_used(self) -> int:
+        return self.capacity - self.num_available()
+
+    def allocate(self) -> int:
+        """A block for new content (ref count 1): a free one, else the least recently used cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.hashes[block]]
+            self.hashes[block] = None
+        else:
+            raise DecoderLMError("the KV pool is out of blocks")  # the scheduler checks first; reaching this is a bug
+        self.ref_counts[block] = 1
+        return block
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks for the longest run of `hashes` from the start (not yet taken)."""
+        blocks = []
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            blocks.append(self.by_hash[h])
+        return blocks
+
+    def take(self, block: int) -> None:
+        """Share a cached block: one more table holds it."""
+        if self.ref_counts[block] == 0:
+            del self.cached[block]
+        self.ref_counts[block] += 1
+
+    def register(self, block: int, h: bytes) -> None:
+        """A block just became full with the content named h; later prefixes may share it. When that
+        content is already cached in another block, this one stays anonymous."""
+        if h not in self.by_hash:
+            self.by_hash[h] = block
+            self.hashes[block] = h
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A table drops these blocks. Give them in reverse table order: the LRU then evicts a
+        prefix's tail before its head, which more sequences are likely to share."""
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.hashes[block] is not None:
+                    self.cached[block] = None
+                else:
+                    self.free.append(block)
+
+
+class PagedCache:
+    """One forward over a batch of sequences in a BlockPool. Row i has `context_lens[i]` tokens
+    cached and adds `new_lens[i]` tokens, left-padded to T = max(new_lens) so every row's newest
+    token is the last column (the model's logits_to_keep=1 then picks each row's next-token logits).
+    Its block table must already cover context + new tokens.
+
+    Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
+    and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
+    write into the null block, which no table really uses."""
+
+    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                 new_lens: Sequence[int]) -> None:
+        bs, device = pool.block_size, pool.k[0].device
+        B, T = len(new_lens), max(new_lens)
+        totals = [c + n for c, n in zip(context_lens, new_lens)]
+        width = max(-(-t // bs) for t in totals)  # blocks in the longest row
+        for table, total in zip(block_tables, totals):
+            if len(table) * bs < total:
+                raise DecoderLMError(f"a block table of {len(table)} blocks cannot hold {total} tokens")
+        tables = torch.tensor([list(t[:width]) + [NULL_BLOCK] * (width - len(t[:width])) for t in block_tables], device=device)  # (B, W)
+        self.blocks = tables.view(-1)  # (B·W,)
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=device)).view(B, width * bs)  # (B, L): slot of position j
+        positions = [[0] * (T - n) + list(range(c, c + n)) for c, n in zip(context_lens, new_lens)]
+        self.q_pos = torch.tensor(positions, device=device)  # (B, T); padding columns: position 0
+        is_new = torch.tensor([[False] * (T - n) + [True] * n for n in new_lens], device=device)
+        new_slots = slots.gather(1, self.q_pos)  # (B, T)
+        self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
+        self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
+        self.pool, self.shape = pool, (B, T, width * bs)
+        self.lengths, self.totals = list(context_lens), totals
+
+    def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        return self.q_pos
+
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        # Causality alone hides the slots not yet written: they hold positions after every query.
+        return build_mask(self.q_pos, self.k_pos, window, dtype)  # (B, 1, T, L)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new k, v (B, Hkv, T, D) into their slots; gather every row's keys/values (B, Hkv, L, D)."""
+        B, T, L = self.shape
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
+        pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
+        # Gather whole blocks (block_size slots in one copy), not single slots.
+        by_block = (self.pool.num_blocks, self.pool.block_size, *pool_k.shape[1:])  # (N, bs, Hkv, D)
+        keys = pool_k.view(by_block).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
+        values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
+        return keys.to(k.dtype), values.to(v.dtype)
+
+    def advance(self, n: int) -> None:
+        """The forward is done: each row's new tokens now count as cached (see `lengths`)."""
+        self.lengths = self.totals

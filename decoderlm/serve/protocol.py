@@ -1,0 +1,159 @@
+"""OpenAI request bodies as pydantic models: every parameter is checked here, at the door.
+
+Types are strict (no "0.5" → 0.5 coercion) and ranges follow OpenAI's documentation; a field OpenAI
+has but this server cannot honour (tools, logit_bias, echo, best_of > n, ...) is refused with a 400
+rather than silently ignored. Unknown extra fields are ignored, as OpenAI's clients may send new ones.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from decoderlm.errors import DecoderLMError
+
+MAX_N = 16  # choices per request: each is one engine sequence
+MAX_LOGPROBS = 20
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(DecoderLMError):
+    """A bad request, with the OpenAI error fields it is reported with."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The parameters completions and chat share."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off (vLLM's convention)")
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - MAX_N)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's and llama-server's extension: run to max_tokens (for benchmarks)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> "_Sampling":
+        stops = self.stop_strings
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop: stop strings must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by this server; leave it out")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_values(self) -> dict:
+        """The SamplingParams fields the client set (the checkpoint's defaults fill the rest)."""
+        names = ("temperature", "top_p", "min_p", "repetition_penalty")
+        values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.top_k is not None:
+            values["top_k"] = max(self.top_k, 0)
+        return values | {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo: not supported by this server; leave it out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported; leave it out")
+        if self.suffix:
+            raise ValueError("suffix: not supported by this server; leave it out")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: must not be an empty list")
+        if len(self.prompts) * self.n > MAX_N:
+            raise ValueError(f"prompt: {len(self.prompts)} prompts × n={self.n} exceeds {MAX_N} sequences per request")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The dict a chat template expects; OpenAI's "developer" role is the templates' "system"."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported by this server; leave it out")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,163 @@
+"""Which sequences run in the next step, and with which blocks.
+
+Requests wait in a queue (first come, first served) and are admitted while the pool has blocks for
+their prompt and the batch has room. Each step, every running sequence that has one token to feed
+is decoded (one batched forward), and sequences still reading their prompt get the next chunk of it
+(at most `prefill_chunk` padded tokens per step, so a huge prompt cannot stall the others). When a
+growing sequence finds the pool empty, the most recently admitted sequence is preempted: its blocks
+go back to the pool and it waits at the head of the queue, to be recomputed from its tokens later
+(its full blocks usually still sit in the prefix cache, so that is cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from decoderlm.sampling import SamplingParams
+from decoderlm.serve.paged_cache import BlockPool, block_hash
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it: its tokens, and where their keys/values are."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, then every generated token
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    logprobs: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks, in table order
+    num_computed: int = 0  # tokens whose keys/values are in the pool
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed: the prompt (or what is left of it), or the last sampled token."""
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass
+class Step:
+    """What the next forwards compute: decode rows (one token each) and prefill rows (a chunk each)."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool) -> None:
+        self.pool, self.max_batch, self.prefill_chunk, self.prefix_caching = pool, max_batch, prefill_chunk, prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in order of admission
+        self.preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # ... and found there
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.pool.block_size)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        self._admit()
+        decode = [seq for seq in self._grow() if seq.pending == 1]
+        return Step(decode, self._chunks())
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """n more tokens of seq are in the pool; name the blocks that just became full."""
+        seq.num_computed += n
+        if not self.prefix_caching:
+            return
+        bs = self.pool.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+            h = block_hash(seq.block_hashes[-1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            self.pool.register(seq.block_table[i], h)
+
+    def remove(self, seq: Sequence) -> None:
+        """seq is finished or aborted: it leaves the queues and its blocks go back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table[::-1])
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def _admit(self) -> None:
+        """Move waiting sequences into the batch while there is room and the pool holds their
+        tokens, keeping back the blocks running sequences need this step."""
+        bs = self.pool.block_size
+        growing = sum(len(s.block_table) * bs < len(s.token_ids) for s in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            hashes = self._prefix_hashes(seq)
+            hits = self.pool.lookup(hashes)
+            new = self.blocks_for(len(seq.token_ids)) - len(hits)
+            idle_hits = sum(self.pool.ref_counts[b] == 0 for b in hits)  # taking them shrinks the pool too
+            if new + idle_hits + growing > self.pool.num_available():
+                return
+            self.waiting.popleft()
+            for block in hits:
+                self.pool.take(block)
+            seq.block_table = hits + [self.pool.allocate() for _ in range(new)]
+            seq.block_hashes = hashes[: len(hits)]
+            seq.num_computed = len(hits) * bs
+            self.prefix_queries += len(seq.token_ids)
+            self.prefix_hits += seq.num_computed
+            self.running.append(seq)
+
+    def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """Names of seq's leading full blocks to look up in the prefix cache. The last token is
+        always left to compute, since its forward gives the logits for the next one."""
+        if not self.prefix_caching:
+            return []
+        bs, hashes = self.pool.block_size, []
+        for i in range((len(seq.token_ids) - 1) // bs):
+            hashes.append(block_hash(hashes[-1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _grow(self) -> list[Sequence]:
+        """Give each running sequence a slot for its pending token, preempting the latest admitted
+        sequences while the pool is empty. Returns the sequences still running."""
+        bs = self.pool.block_size
+        for seq in list(self.running):
+            while seq in self.running and len(seq.block_table) * bs < len(seq.token_ids):
+                if self.pool.num_available():
+                    seq.block_table.append(self.pool.allocate())
+                else:
+                    self._preempt(self.running[-1])
+        return self.running
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _chunks(self) -> list[tuple[Sequence, int]]:
+        """Prefill rows for this step: the next chunk of each prompt, in admission order, while the
+        padded batch (rows × longest chunk) stays within prefill_chunk tokens."""
+        rows: list[tuple[Sequence, int]] = []
+        width = 0
+        for seq in self.running:
+            if seq.pending <= 1:
+                continue
+            share = self.prefill_chunk // (len(rows) + 1)
+            if share < 1 or width > share:
+                break
+            n = min(seq.pending, share)
+            rows.append((seq, n))
+            width = max(width, n)
+        return rows
