@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
         if method == "sft":
             p.add_argument("--packing", action="store_true", help="pack several conversations per row (attention stays within each)")
+            p.add_argument("--scheduled-sampling", type=float, default=0.0, metavar="P",
+                           help="replace reply tokens by the model's own predictions, with a probability ramping from 0 to P")
         else:
             p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the reference")
         p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines with a warning instead of stopping")

@@ -8,6 +8,7 @@ on nothing but the step; the step count is the objective's whole random state.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
 from collections.abc import Iterator
@@ -17,10 +18,11 @@ from torch import nn
 
 from decoderlm.finetune.dpo import DPOStats, Pair, dpo_loss, pair_batch, sequence_logprobs
 from decoderlm.finetune.lora import set_lora_enabled
-from decoderlm.finetune.sft import Batch, Example, collate, pack, sft_loss
+from decoderlm.finetune.sft import Batch, Example, batch_logits, collate, pack, sft_loss
 from decoderlm.model import Transformer
 from decoderlm.model.transformer import IGNORE_INDEX
 from decoderlm.train.config import TrainConfig
+from decoderlm.train.scheduled_sampling import ScheduledSampling
 
 
 class EpochRows:
@@ -47,19 +49,27 @@ class EpochRows:
 
 class SFTObjective:
     """Next-token loss on the tokens of assistant replies (labels are -100 everywhere else), over padded
-    rows of one conversation each or, with packing, rows of several that do not attend to each other."""
+    rows of one conversation each or, with packing, rows of several that do not attend to each other.
+    With scheduled sampling, reply tokens are partly the model's own predictions while training."""
 
     def __init__(self, train: list[Example], held_out: list[Example], cfg: TrainConfig, pad_id: int, packing: bool,
                  device: torch.device) -> None:
         self.train, self.held_out, self.cfg, self.pad_id, self.device = train, held_out, cfg, pad_id, device
         self.rows = pack([len(ex.ids) for ex in train], cfg.context) if packing else [[i] for i in range(len(train))]
         self.sampler = EpochRows(len(self.rows), cfg.batch_size, cfg.seed)
+        self.sampling = ScheduledSampling(cfg.scheduled_sampling, cfg.decay_steps, cfg.seed + 1) if cfg.scheduled_sampling else None
 
     def batches(self) -> list[Batch]:
+        if self.sampling is not None:
+            self.sampling.start_step()
         return [collate(self.train, [self.rows[r] for r in self.sampler.next()], self.pad_id) for _ in range(self.cfg.grad_accum)]
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
         batch = batch.to(self.device)
+        if self.sampling is not None and model.training:
+            mixed = self.sampling.mix(batch.input_ids, batch.targets,
+                                      lambda ids: batch_logits(model, dataclasses.replace(batch, input_ids=ids)))
+            batch = dataclasses.replace(batch, input_ids=mixed)
         return sft_loss(model, batch), int((batch.targets != IGNORE_INDEX).sum())
 
     def val_batches(self) -> Iterator[Batch]:
@@ -68,10 +78,12 @@ class SFTObjective:
             yield collate(self.held_out, [[j] for j in range(i, min(i + B, len(self.held_out)))], self.pad_id)
 
     def rng_state(self) -> dict[str, torch.Tensor]:
-        return self.sampler.state()
+        return self.sampler.state() | (self.sampling.state() if self.sampling is not None else {})
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         self.sampler.set_state(state)
+        if self.sampling is not None:
+            self.sampling.set_state(state)
 
 
 def frozen_copy(model: Transformer) -> Transformer:

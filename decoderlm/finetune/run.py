@@ -55,6 +55,7 @@ class FinetuneConfig:
     lora_targets: str = "q_proj,v_proj"
     lora_dropout: float = 0.0
     beta: float = 0.1  # DPO's β
+    scheduled_sampling: float = 0.0  # SFT: the largest share of reply tokens replaced by the model's predictions
     warmup: int | None = None  # default: a tenth of the steps, at most 100
     eval_fraction: float = 0.1
     eval_interval: int | None = None  # default: once per epoch
@@ -81,6 +82,10 @@ def check(cfg: FinetuneConfig) -> None:
         raise DecoderLMError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
     if not 0 <= cfg.eval_fraction < 1:
         raise DecoderLMError(f"--eval-fraction must be in [0, 1), got {cfg.eval_fraction}")
+    if not 0 <= cfg.scheduled_sampling <= 1:
+        raise DecoderLMError(f"--scheduled-sampling must be in [0, 1], got {cfg.scheduled_sampling}")
+    if cfg.method == "dpo" and cfg.scheduled_sampling:
+        raise DecoderLMError("--scheduled-sampling applies to sft (and train), not dpo; drop it")
     if not cfg.beta > 0:
         raise DecoderLMError(f"--beta must be positive, got {cfg.beta}")
     resolve_device(cfg.device)
@@ -100,7 +105,7 @@ def loop_config(cfg: FinetuneConfig, max_steps: int, eval_interval: int) -> Trai
         "data": cfg.data, "out": cfg.out, "max_steps": max_steps, "decay_steps": max_steps, "batch_size": cfg.batch_size,
         "context": cfg.max_length, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "weight_decay": 0.0, "beta2": 0.999,
         "dropout": 0.0, "seed": cfg.seed, "eval_interval": eval_interval, "log_interval": cfg.log_interval,
-        "device": cfg.device, "threads": cfg.threads,
+        "device": cfg.device, "threads": cfg.threads, "scheduled_sampling": cfg.scheduled_sampling,
     }
     return validate(TrainConfig(**defaults | chosen))
 
