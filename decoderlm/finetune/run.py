@@ -161,7 +161,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         objective = DPOObjective(train_items, eval_items, loop, pad_id, cfg.beta, None if cfg.lora_rank else frozen_copy(model), device)
 
     before = evaluate(model, objective, loop, device, World())
-    objective_metrics(model, objective, loop, device)
+    objective_metrics(model, objective, loop, device)  # DPO: the rewards before training, its first `evaluations` row
     print(f"{len(train_items)} train / {len(eval_items)} eval records; {per_epoch} steps per epoch, {max_steps} steps"
           + (f"; eval loss before: {before:.4f}" if eval_items else ""))
 
