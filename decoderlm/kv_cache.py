@@ -62,6 +62,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` cached tokens (speculative decoding drops rejected guesses this
+        way); the slots after them are overwritten by the next `update`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
 
 class RollingKVCache:
     """A sliding-window model's cache: a ring of the last `window − 1` tokens per layer, so its memory

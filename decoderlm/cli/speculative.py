@@ -1,0 +1,58 @@
+"""Speculative-decoding flags shared by `generate` and `chat` (no subcommand of its own)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.generate import stream
+from decoderlm.loader import load
+from decoderlm.model import Transformer
+from decoderlm.sampling import SamplingParams
+from decoderlm.speculative import DraftModel, PromptLookup, Proposer, SpeculativeStats, check_vocabularies, speculative_stream
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (plain decoding's greedy output or sampling distribution, in fewer target forwards)")
+    g.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
+                   help="a smaller model with the same tokenizer guesses tokens that the model checks in one forward")
+    g.add_argument("--prompt-lookup", type=int, nargs="?", const=3, default=None, metavar="N",
+                   help="guess the tokens that followed the latest match of the text's last N tokens (default N: 3); "
+                        "pays when the reply repeats the prompt")
+    g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K", help="tokens guessed per step (default: 5)")
+
+
+class Decoding:
+    """Prompt ids + params → token stream, plain or speculative; `report` prints the counts on stderr."""
+
+    def __init__(self, model: Transformer, proposer: Proposer | None = None, num_speculative_tokens: int = 5) -> None:
+        self.model, self.proposer, self.k = model, proposer, num_speculative_tokens
+        self.stats: SpeculativeStats | None = None
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if self.proposer is None:
+            return stream(self.model, prompt_ids, params)
+        self.stats = SpeculativeStats()
+        return speculative_stream(self.model, prompt_ids, params, self.proposer, self.k, self.stats)
+
+    def report(self) -> None:
+        if self.stats is not None:
+            print(f"speculative decoding: {self.stats.summary()}", file=sys.stderr)
+
+
+def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) -> Decoding:
+    """The decoding the flags ask for; a draft model is loaded like the model (--dtype, --quantize)."""
+    if args.draft_model is not None and args.prompt_lookup is not None:
+        raise DecoderLMError("choose one of --draft-model and --prompt-lookup")
+    if args.num_speculative_tokens < 1:
+        raise DecoderLMError(f"--num-speculative-tokens must be at least 1, got {args.num_speculative_tokens}")
+    if args.prompt_lookup is not None:
+        return Decoding(model, PromptLookup(args.prompt_lookup), args.num_speculative_tokens)
+    if args.draft_model is None:
+        return Decoding(model)
+    draft, draft_tokenizer = load(args.draft_model, dtype=args.dtype, quantize=args.quantize)
+    check_vocabularies(tokenizer, draft_tokenizer)
+    draft.to(next(model.parameters()).device)
+    return Decoding(model, DraftModel(draft), args.num_speculative_tokens)
