@@ -1,7 +1,8 @@
 """`load(source)`: one place that turns what a user names into (model, tokenizer).
 
-A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a `.gguf`
-file, or a known name (see `decoderlm.names`). Each format's reader lives in `decoderlm.formats`.
+A source is a decoderlm training run folder, an HF folder (config.json + safetensors), a LoRA adapter
+folder (merged into the base it names), a `.gguf` file, or a known name (see `decoderlm.names`).
+Each format's reader lives in `decoderlm.formats`.
 The model is built on the meta device and its weights are copied straight onto the requested
 device, one tensor at a time, so a GPU load never holds a second full copy on the CPU.
 """
@@ -63,6 +64,10 @@ def _load(source: str | Path, torch_dtype: torch.dtype, device: torch.device) ->
     path = resolve_source(source)
     if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
         return _load_run(path, torch_dtype, device)
+    if path.is_dir() and (path / "adapter_config.json").is_file():  # a LoRA run: its base with the adapter merged in
+        from decoderlm.finetune.lora import load_merged
+
+        return load_merged(path, torch_dtype, device)
     if path.is_dir() and (path / "config.json").exists():  # read_json explains a config.json that is not a file
         from decoderlm.formats.hf import load_hf
 

@@ -158,8 +158,8 @@ def test_run_flags_exist_wherever_a_model_runs():
 
 
 def test_seed_has_one_meaning():
-    """Unseeded unless --seed is given, with the same help everywhere (train's flag belongs to training)."""
-    seeds = {name: a for name, p in subcommands().items() if name != "train" for a in p._actions if a.dest == "seed"}
+    """Unseeded unless --seed is given, with the same help everywhere (train's, sft's and dpo's flags belong to training)."""
+    seeds = {name: a for name, p in subcommands().items() if name not in ("train", "sft", "dpo") for a in p._actions if a.dest == "seed"}
     assert set(seeds) >= {"generate", "chat", "check"}
     assert {a.default for a in seeds.values()} == {None} and len({a.help for a in seeds.values()}) == 1
 

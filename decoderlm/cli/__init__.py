@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.cli import chat, convert, inspect, perplexity, prepare, run, serve
+from decoderlm.cli import chat, convert, finetune, inspect, perplexity, prepare, run, serve
 from decoderlm.errors import DecoderLMError
 
-COMMAND_MODULES = [run, prepare, chat, convert, inspect, perplexity, serve]
+COMMAND_MODULES = [run, prepare, chat, convert, inspect, perplexity, serve, finetune]
 
 
 class _Parser(argparse.ArgumentParser):

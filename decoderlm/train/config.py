@@ -69,6 +69,8 @@ class TrainConfig:
     beta2: float | None = setting("AdamW beta2", FIXED)
     grad_clip: float | None = setting("clip the gradient norm to this (0 = no clipping)", FIXED, 1.0)
     dropout: float | None = setting("dropout probability in [0, 1)", FIXED)
+    scheduled_sampling: float | None = setting("scheduled sampling: replace input tokens by the model's own predictions "
+                                               "with a probability ramping from 0 to this over --decay-steps", FIXED, 0.0)
     seed: int | None = setting("seed for the initial weights, batches and dropout", FIXED, 1337)
     precision: str | None = setting("fp32, or bf16 autocast (matmuls in bfloat16, weights and optimizer in fp32)",
                                     FIXED, "fp32", PRECISIONS)
@@ -204,6 +206,7 @@ RULES: list[tuple[str, str, Callable[[Any], bool]]] = [
     ("dist_timeout", "a positive integer", _int_at_least(1)),
     ("grad_clip", "a number >= 0 (0 = no clipping)", lambda v: _finite(v) and v >= 0),
     ("dropout", "in [0, 1)", lambda v: _finite(v) and 0 <= v < 1),
+    ("scheduled_sampling", "in [0, 1]", lambda v: _finite(v) and 0 <= v <= 1),
     ("seed", "an integer in [0, 2**63)", lambda v: isinstance(v, int) and 0 <= v < 2**63),
     ("eval_interval", "a positive integer", _int_at_least(1)),
     ("eval_batches", "a positive integer", _int_at_least(1)),

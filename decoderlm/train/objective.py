@@ -15,6 +15,7 @@ from decoderlm.model.transformer import IGNORE_INDEX, lm_loss
 from decoderlm.train.config import TrainConfig
 from decoderlm.train.data import EVAL_BATCH, Split, eval_windows, read_windows, window_starts
 from decoderlm.train.distributed import World
+from decoderlm.train.scheduled_sampling import ScheduledSampling
 
 Batch = Any
 
@@ -22,7 +23,10 @@ Batch = Any
 class Objective(Protocol):
     """What one optimizer step trains on and how its loss is computed: the seam between pretraining and
     fine-tuning. The loop calls `batches` once per step, `loss` on each micro-batch (under autocast),
-    and `val_batches` to evaluate; its RNG state is checkpointed so resume stays exact."""
+    and `val_batches` to evaluate; its RNG state is checkpointed so resume stays exact.
+
+    An objective may also define `metrics(model) -> dict[str, float]`: numbers of its own on the
+    held-out data (DPO's rewards and margin), computed after each evaluation and logged beside val_loss."""
 
     def batches(self) -> list[Batch]:
         """This process's micro-batches (grad_accum of them) for the next optimizer step."""
@@ -44,21 +48,28 @@ class Objective(Protocol):
 class LMObjective:
     """Next-token prediction on random windows. Every process draws the same global batch of window
     starts (one generator, seeded alike) and reads only its own slice: micro-batch m of rank r is
-    windows [(m·world + r)·B, +B), so N processes train on exactly what one process with batch N·B would."""
+    windows [(m·world + r)·B, +B), so N processes train on exactly what one process with batch N·B would.
+    With --scheduled-sampling, training inputs are partly the model's own predictions (see
+    decoderlm.train.scheduled_sampling); evaluation stays teacher-forced."""
 
     def __init__(self, train: Split, val: Split, cfg: TrainConfig, world: World, device: torch.device) -> None:
         self.train, self.val, self.cfg, self.world, self.device = train, val, cfg, world, device
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.sampling = ScheduledSampling(cfg.scheduled_sampling, cfg.decay_steps, cfg.seed + 1) if cfg.scheduled_sampling else None
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         B, world = self.cfg.batch_size, self.world
+        if self.sampling is not None:
+            self.sampling.start_step()
         starts = window_starts(self.train, B * self.cfg.grad_accum * world.size, self.cfg.context, self.generator)
         mine = [starts[(m * world.size + world.rank) * B :][:B] for m in range(self.cfg.grad_accum)]
         return [read_windows(self.train, part, self.cfg.context) for part in mine]
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        x, y = batch
-        return lm_loss(model(x.to(self.device)).logits, y.to(self.device)), int((y != IGNORE_INDEX).sum())
+        x, y = batch[0].to(self.device), batch[1].to(self.device)
+        if self.sampling is not None and model.training:
+            x = self.sampling.mix(x, y, lambda ids: model(ids).logits)
+        return lm_loss(model(x).logits, y), int((y != IGNORE_INDEX).sum())
 
     def val_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each val batch's rows dealt out over the processes, so every process runs the same number of
@@ -73,7 +84,9 @@ class LMObjective:
                 yield x[rank::size], y[rank::size]
 
     def rng_state(self) -> dict[str, torch.Tensor]:
-        return {"batch": self.generator.get_state()}
+        return {"batch": self.generator.get_state()} | (self.sampling.state() if self.sampling is not None else {})
 
     def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["batch"])
+        if self.sampling is not None:
+            self.sampling.set_state(state)

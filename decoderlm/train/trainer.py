@@ -17,6 +17,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,20 @@ def evaluate(model: nn.Module, objective: Objective, cfg: TrainConfig, device: t
             total, count = total + loss.item() * n, count + n
     model.train()
     total, count = distributed.all_sum([total, count], world)
-    return total / count
+    return total / count if count else float("nan")  # fine-tuning may hold out nothing
+
+
+@torch.no_grad()
+def objective_metrics(model: nn.Module, objective: Objective, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
+    """The objective's own held-out numbers (DPO: rewards, margin, accuracy), logged beside val_loss;
+    none for an objective without a `metrics` method (pretraining)."""
+    if not hasattr(objective, "metrics"):
+        return {}
+    model.eval()
+    with autocast(cfg, device):
+        values = objective.metrics(model)
+    model.train()
+    return values
 
 
 def flops_per_token(model: Transformer, context: int) -> int:
@@ -171,9 +185,14 @@ def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.devic
 
 
 def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, state: dict[str, Any], tokenizer: Tokenizer,
-        world: World = World(), device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+        world: World = World(), device: torch.device = torch.device("cpu"),
+        export: Callable[[Transformer, Path], None] | None = None) -> dict[str, Any]:
     """The loop: `objective` says what a step trains on; `state` is a checkpoint to continue from (it has
-    "optimizer") or a new run's {"config", ...}. Rank 0 alone writes the checkpoint and logs."""
+    "optimizer") or a new run's {"config", ...}. Rank 0 alone writes the checkpoint and logs.
+
+    `export`, if given, writes the model into `out` wherever a checkpoint would be saved, in place of
+    ckpt.pt and best.pt: fine-tuning's run folder is the model itself (an HF folder or a LoRA adapter),
+    which every command loads, and is not resumed."""
     sharded = cfg.fsdp and world.distributed
     if "optimizer" in state and not state.get("sharded"):
         model.load_state_dict(state["model"])
@@ -197,6 +216,12 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
                 "global_batch": cfg.batch_size * cfg.grad_accum * world.size, "peak_flops_per_device": peak}
 
     def save_state(name: str = checkpoint.CKPT_NAME) -> None:
+        if export is not None:
+            if world.main and name == checkpoint.CKPT_NAME:
+                export(model, out)
+                save_logs(out, history, run_info)
+            distributed.barrier(world)
+            return
         rng = rng_states(objective, device, world)  # every process takes part: the RNG states are gathered
         weights: dict[str, Any] = {"sharded": checkpoint.save_sharded(out, name, step, model, optimizer, world)} if sharded else {
             "model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -209,11 +234,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
             }, name)
             if sharded:
                 checkpoint.drop_old_shards(out, name)
-            try:
-                write_logs(out, history, run_info)
-            except OSError as e:
-                raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
-                                     "free space, then --resume") from None
+            save_logs(out, history, run_info)
         distributed.barrier(world)
 
     net.train()
@@ -253,6 +274,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
                    "tokens_per_s": tok_s, "mfu": None if peak is None else flops * tok_s / (peak * world.size)}
             if evaluating:
                 row["val_loss"] = evaluate(net, objective, cfg, device, world)
+                row |= objective_metrics(net, objective, cfg, device)
             history.append(row)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
             window_loss, window_steps, window_tokens = 0.0, 0, 0
@@ -430,10 +452,19 @@ def set_rng_states(states: dict[str, Any], objective: Objective, device: torch.d
         torch.mps.set_rng_state(states["mps"])
 
 
+def save_logs(out: Path, history: list[dict[str, Any]], run_info: dict[str, Any]) -> None:
+    try:
+        write_logs(out, history, run_info)
+    except OSError as e:
+        raise DecoderLMError(f"cannot write the logs in {out} ({e.strerror or e}); the checkpoint is saved: "
+                             "free space, then --resume") from None
+
+
 def write_logs(out: Path, history: list[dict[str, Any]], run_info: dict[str, Any]) -> None:
     """log.csv and log.json (every logged step), run.json (parameters, FLOPs per token, processes, global
     batch: what a fair comparison of two runs states besides the loss) and loss.png."""
     fields = ["step", "train_loss", "val_loss", "lr", "tokens_seen", "tokens_per_s", "mfu"]
+    fields += list(dict.fromkeys(k for row in history for k in row if k not in fields))  # an objective's metrics
     with open(out / "log.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
