@@ -34,13 +34,21 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams) ->
     logits of model(ids[-max_seq_len:]), as if the text so far were cropped and run afresh. Bad params
     or prompts raise here, at the call, not at the first token (so a caller can report them before
     printing anything)."""
+    check_request(model, prompt_ids, params)
+    return _decode(model, prompt_ids, params)
+
+
+def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Raise a one-line error for params or a prompt this model cannot continue: empty, an id outside
+    its vocabulary, or a prompt that fills the whole context. Every decoding path checks this first."""
     params.validate()
-    max_len = model.config.max_seq_len
+    vocab, context = model.config.vocab_size, model.config.max_seq_len
     if not prompt_ids:
         raise DecoderLMError("the prompt is empty; give at least one token")
-    if len(prompt_ids) >= max_len:
-        raise DecoderLMError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_len}; shorten the prompt")
-    return _decode(model, prompt_ids, params)
+    if not all(0 <= t < vocab for t in prompt_ids):
+        raise DecoderLMError(f"prompt token ids must be in [0, {vocab}); check the tokenizer matches the model")
+    if len(prompt_ids) >= context:
+        raise DecoderLMError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}; shorten the prompt")
 
 
 @torch.inference_mode()

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import stream
+from decoderlm.generate import check_request, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p
@@ -211,12 +211,7 @@ def speculative_stream(target: Transformer, prompt_ids: list[int], params: Sampl
     """Like `decoderlm.generate.stream` (same stop rules, same greedy output, same distribution when
     sampling), with up to num_speculative_tokens guesses checked per target forward. Counts go into
     `stats`. Bad arguments raise here, at the call."""
-    params.validate()
-    max_len = target.config.max_seq_len
-    if not prompt_ids:
-        raise DecoderLMError("the prompt is empty; give at least one token")
-    if len(prompt_ids) >= max_len:
-        raise DecoderLMError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_len}; shorten the prompt")
+    check_request(target, prompt_ids, params)
     if num_speculative_tokens < 1:
         raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
     if params.frequency_penalty or params.presence_penalty:

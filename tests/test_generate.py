@@ -69,8 +69,11 @@ def test_bad_prompt_raises_at_the_call():
     model = tiny_model(max_seq_len=8)
     with pytest.raises(DecoderLMError):
         stream(model, [], SamplingParams())  # no next() needed
-    with pytest.raises(DecoderLMError):
+    with pytest.raises(DecoderLMError, match="context is 8"):
         stream(model, [1] * 8, SamplingParams())
+    for bad in (37, -1):  # the tiny model's vocabulary is 37 ids: an id from another tokenizer
+        with pytest.raises(DecoderLMError, match=r"token ids must be in \[0, 37\)"):
+            stream(model, [1, bad], SamplingParams())
 
 
 # --- streaming text --------------------------------------------------------------------------

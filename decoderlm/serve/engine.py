@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.generate import check_request
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, sample_batch
 from decoderlm.serve.paged_cache import BlockPool, PagedCache
@@ -149,15 +150,9 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, logprobs: int | None = None,
                     request_id: str | None = None) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream. Bad input raises here."""
-        params.validate()
         prompt = [int(t) for t in prompt_ids]
-        vocab, context = self.model.config.vocab_size, self.model.config.max_seq_len
-        if not prompt:
-            raise DecoderLMError("the prompt is empty; give at least one token")
-        if not all(0 <= t < vocab for t in prompt):
-            raise DecoderLMError(f"prompt token ids must be in [0, {vocab}); check the tokenizer matches the model")
-        if len(prompt) >= context:
-            raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the model's context is {context}; shorten the prompt")
+        check_request(self.model, prompt, params)
+        vocab = self.model.config.vocab_size
         if len(prompt) >= self.max_len:
             raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the KV cache holds {self.max_len}; "
                                  "shorten the prompt or give the engine more kv_cache_memory")
