@@ -485,3 +485,18 @@ def test_smollm2_chat():
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_request_after_shutdown_is_503_not_a_client_error(tiny):
+    """The request was fine; the server is going away: 503 (retry elsewhere), not 400."""
+    _, _, model, tok = tiny
+    engine = Engine(model)
+    engine.start()
+    engine.shutdown()
+    server = ThreadServer(create_app(engine, tok, "tiny", max_seq_len=model.config.max_seq_len))
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503
+        assert "shutting down" in r.json()["error"]["message"]
+    finally:
+        server.stop()

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.sampling import SamplingParams
+from decoderlm.serve.engine import EngineClosed
 from decoderlm.serve.metrics import EngineCollector, Metrics
 from decoderlm.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from decoderlm.serve.text import Delta, Timing, text_deltas
@@ -199,6 +200,9 @@ class Generation:
                 outputs = server.engine.add_request(s.prompt_ids, s.params, logprobs=logprobs, request_id=request_id)
                 s.request_id = request_id
                 self.streams.append(text_deltas(outputs, server.tokenizer, stops, s.timing))
+        except EngineClosed:  # not the client's mistake: the server is going away, retry elsewhere
+            self.close()
+            raise RequestError("the server is shutting down; retry the request", status=503) from None
         except DecoderLMError as e:
             self.close()
             raise RequestError(str(e), "prompt") from None

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_MEMORY = 1 << 30  # at most 1 GiB unless told otherwise
 
 
+class EngineClosed(DecoderLMError):
+    """A request that arrives after `shutdown`: the request was fine, the server is going away."""
+
+
 @dataclass
 class TokenOutput:
     token_id: int | None
@@ -163,7 +167,7 @@ class Engine:
         stream = RequestStream(request_id)
         with self._cond:
             if self._closed:
-                raise DecoderLMError("the engine is shut down; start a new one")
+                raise EngineClosed("the engine is shut down; start a new one")
             if request_id in self._active:
                 raise DecoderLMError(f"request id {request_id!r} is already in use; give each request its own id")
             self._counts["prompt_tokens"] += len(prompt)
