@@ -9,7 +9,7 @@ from conftest import run_cli
 
 from decoderlm.config import ModelConfig
 from decoderlm.inspect.checks import check_causal, check_kv_cache, check_overfit, shrink
-from decoderlm.kv_cache import KVCache
+from decoderlm.kv_cache import KVCache, RollingKVCache
 from decoderlm.model import Transformer
 from decoderlm.model import attention as attention_module
 from decoderlm.model.transformer import Block
@@ -40,15 +40,15 @@ def drop_causal_mask(monkeypatch) -> None:
 
 
 def drop_oldest_cached_token(monkeypatch) -> None:
-    """A cache that forgets the first token (its key and value become zeros)."""
-    update = KVCache.update
+    """A cache (plain, or the rolling one of sliding-window models) that forgets the token in its first
+    slot (its key and value become zeros)."""
+    for cls in (KVCache, RollingKVCache):
+        def forgetful(self, layer, k, v, update=cls.update):
+            k_all, v_all = update(self, layer, k, v)
+            k_all[:, :, 0], v_all[:, :, 0] = 0.0, 0.0
+            return k_all, v_all
 
-    def forgetful(self, layer, k, v):
-        k_all, v_all = update(self, layer, k, v)
-        k_all[:, :, 0], v_all[:, :, 0] = 0.0, 0.0
-        return k_all, v_all
-
-    monkeypatch.setattr(KVCache, "update", forgetful)
+        monkeypatch.setattr(cls, "update", forgetful)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
