@@ -32,10 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
 
 
-def train(name: str, work: Path, data: str, steps: int, quick: bool, *args: str) -> dict[str, Any]:
+def train(name: str, work: Path, data: str, steps: int, threads: int, quick: bool, *args: str) -> dict[str, Any]:
     """One `decoderlm train` run; its curve, final val loss (whole val split unless --quick), wall time and sample."""
     run = work / name
-    cmd = [sys.executable, "-m", "decoderlm", "train", "--data", data, "--out", str(run), "--max-steps", str(steps), *args]
+    cmd = [sys.executable, "-m", "decoderlm", "train", "--data", data, "--out", str(run), "--max-steps", str(steps),
+           "--threads", str(threads), *args]
     if quick:
         cmd += ["--eval-interval", str(max(1, steps // 2)), "--eval-batches", "1", "--log-interval", "1", "--sample-chars", "40"]
     t0 = time.perf_counter()
@@ -95,11 +96,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps of every run (the issue's budget: 2000)")
+    p.add_argument("--mask-steps", type=int, default=500, help="steps of the two runs of experiment 1 (the unmasked loss collapses early)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per run (1 is steadiest on a shared machine)")
     p.add_argument("--quick", action="store_true", help="a few steps and one val batch per run: checks the script, not the models")
     p.add_argument("--out", help="folder for the JSON and PNGs (default: benchmarks/results/ and docs/)")
     p.add_argument("--skip-changes", action="store_true", help="skip experiment 4 (changes to seed-char-llama)")
     args = p.parse_args()
-    steps = 6 if args.quick else args.steps
+    steps, mask_steps = (4, 4) if args.quick else (args.steps, args.mask_steps)
     results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
     results_dir.mkdir(parents=True, exist_ok=True)
     docs_dir.mkdir(parents=True, exist_ok=True)
@@ -108,31 +111,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
 
-        def run(name: str, *extra: str, data_path: str = data) -> dict[str, Any]:
-            r = train(name, work, data_path, steps, args.quick, *extra)
+        def run(name: str, *extra: str, data_path: str = data, n_steps: int = steps) -> dict[str, Any]:
+            r = train(name, work, data_path, n_steps, args.threads, args.quick, *extra)
             print(f"{name:<24} {r['parameters']:>9,} params  {r['tokens']:>9,} tokens  train {r['train_loss']:.3f}  "
                   f"val {r['val_loss']:.3f}  {r['wall_seconds']:>6.0f} s", flush=True)
             return r
 
         gpt = run("seed-char", "--preset", "seed-char")
-        no_mask = run("seed-char causal=false", "--preset", "seed-char", "--set", "causal=false")
         llama = run("seed-char-llama", "--preset", "seed-char-llama")
+        plot([gpt, llama], docs_dir / "experiments_llama_vs_gpt.png", f"seed-char vs seed-char-llama, {steps} steps × 12 × 64 tokens")
+        masked = run("seed-char masked", "--preset", "seed-char", n_steps=mask_steps)
+        no_mask = run("seed-char causal=false", "--preset", "seed-char", "--set", "causal=false", n_steps=mask_steps)
+        plot([masked, no_mask], docs_dir / "experiments_causal_mask.png", f"seed-char with and without the causal mask, {mask_steps} steps")
+        runs = [gpt, llama, masked, no_mask]
+        save(runs, steps, args, results_dir)
         bpe_dir = work / "bpe"
         subprocess.run([sys.executable, "-m", "decoderlm", "prepare", "--data", data, "--out", str(bpe_dir), "--tokenizer", "bpe:2048"],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
         bpe = run("seed-char-llama bpe:2048", "--preset", "seed-char-llama", data_path=str(bpe_dir))
         bpe["val_bits_per_char"] = round(bits_per_char(bpe, bpe_dir), 4)
-        plot([gpt, llama], docs_dir / "experiments_llama_vs_gpt.png", f"seed-char vs seed-char-llama, {steps} steps × 12 × 64 tokens")
-        plot([gpt, no_mask], docs_dir / "experiments_causal_mask.png", "seed-char with and without the causal mask")
-        runs = [gpt, no_mask, llama, bpe]
-        save(runs, steps, args, results_dir)  # the main results are kept even if the changes below are cut short
+        runs.append(bpe)
+        save(runs, steps, args, results_dir)  # kept even if the changes below are cut short
         if not args.skip_changes:
             for name, change in (("llama + qk_norm", "qk_norm=true"), ("llama + untied head", "tie_embeddings=false")):
                 runs.append(run(name, "--preset", "seed-char-llama", "--set", change))
                 save(runs, steps, args, results_dir)
     print(f"\nbpe:2048 val loss {bpe['val_loss']:.3f} nats/token = {bpe['val_bits_per_char']:.3f} bits/char "
           f"(seed-char-llama: {llama['val_bits_per_char']:.3f}, seed-char: {gpt['val_bits_per_char']:.3f})")
-    for r in (gpt, no_mask):
+    for r in (masked, no_mask):
         print(f"\n--- sample: {r['name']} (train loss {r['train_loss']:.3f}) ---\n{r['sample'][:300]}")
 
 
@@ -141,7 +147,7 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
         r.setdefault("val_bits_per_char", round(r["val_loss"] / math.log(2), 4))  # char models: one token is one character
     llama = next(r for r in runs if r["name"] == "seed-char-llama")
     result = {
-        "steps": steps, "quick": args.quick, "data": args.data,
+        "steps": steps, "mask_steps": 4 if args.quick else args.mask_steps, "threads": args.threads, "quick": args.quick, "data": args.data,
         "llama_target_val_loss": LLAMA_TARGET, "llama_meets_target": llama["val_loss"] <= LLAMA_TARGET,
         "runs": runs,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

@@ -71,7 +71,7 @@ def test_experiments_benchmark_runs_end_to_end_in_quick_mode(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((out / "experiments.json").read_text())
     runs = {r["name"]: r for r in result["runs"]}
-    assert set(runs) == {"seed-char", "seed-char causal=false", "seed-char-llama", "seed-char-llama bpe:2048"}
+    assert set(runs) == {"seed-char", "seed-char-llama", "seed-char masked", "seed-char causal=false", "seed-char-llama bpe:2048"}
     assert "causal=false" in runs["seed-char causal=false"]["command"]
     assert runs["seed-char"]["tokens"] == runs["seed-char-llama"]["tokens"] == result["steps"] * 12 * 64
     assert abs(runs["seed-char-llama"]["parameters"] / runs["seed-char"]["parameters"] - 1) <= 0.05
@@ -79,3 +79,14 @@ def test_experiments_benchmark_runs_end_to_end_in_quick_mode(tmp_path: Path) -> 
     for png in ("experiments_llama_vs_gpt.png", "experiments_causal_mask.png"):
         assert (out / png).stat().st_size > 0
     assert "--- sample: seed-char causal=false" in proc.stdout
+
+
+def test_explain_shows_attention_to_later_tokens_only_without_the_causal_mask() -> None:
+    from decoderlm.inspect.explain import attention_weights
+
+    ids = torch.randint(0, 37, (1, 6))
+    for causal in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(tiny_config(causal=causal, **FAMILIES["llama"])).eval()
+        above_diagonal = attention_weights(model, ids, 0)[0].triu(1)  # (H, T, T): weight on later tokens
+        assert (above_diagonal.amax() > 1e-3) == (not causal)
