@@ -55,6 +55,9 @@ class ModelConfig:
     embed_scale: float = 1.0  # multiply token embeddings (Gemma: sqrt(d_model))
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
     post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
+    # Experiment switch, not a family's: False lets every token attend to later ones too (the classic
+    # "remove the causal mask" experiment, benchmarks/experiments.py). Such a model cannot generate.
+    causal: bool = True
     family: str = "custom"
 
     def __post_init__(self) -> None:

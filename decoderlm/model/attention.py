@@ -77,6 +77,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
+        self.causal = config.causal
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of x (B, T, d_model), split into heads, normed and rotated."""
@@ -98,9 +99,9 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, L, D): every token so far
-        # No mask at all means plain causal attention over a fresh sequence.
+        # No mask at all means plain causal attention over a fresh sequence (or none, with causal=False).
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            q, k, v, attn_mask=mask, is_causal=self.causal and mask is None and T > 1,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
         )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -138,6 +138,8 @@ class Transformer(nn.Module):
             mask = cache.mask(T, attention_mask, cfg.sliding_window, x.dtype, x.device)
         else:
             mask = causal_mask(0, T, attention_mask, cfg.sliding_window, x.dtype, x.device)
+        if not cfg.causal and mask is not None:  # experiment switch: every query sees what the last one sees
+            mask = mask[:, :, -1:].expand_as(mask)  # (B, 1, T, L)
         for block in self.layers:
             x = block(x, rope, mask, cache)
         if cache is not None:

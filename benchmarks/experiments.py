@@ -1,0 +1,159 @@
+"""The classic experiments on tiny Shakespeare, each a real `decoderlm train` run through the command line.
+
+1. seed-char with and without the causal mask (`--set causal=false`): without it each position can
+   read the character it must predict, so the training loss collapses, yet sampling (where the next
+   character does not exist yet) gives garbage.
+2. seed-char (GPT-2 parts) vs seed-char-llama (RoPE, RMSNorm, SwiGLU) with the same recipe, steps and
+   tokens: parameters, val loss over the whole val split, wall time; both curves on one PNG.
+3. seed-char-llama on BPE tokens (`decoderlm prepare --tokenizer bpe:2048`), its val loss converted to
+   bits per character so it compares with the char models.
+4. Changes to seed-char-llama within the same budget (steps, tokens, parameters ± 5 %), one at a time.
+
+Writes benchmarks/results/experiments.json and docs/experiments_*.png (or both into --out), prints a table.
+
+    nice python benchmarks/experiments.py [--data ../shared/data/tinyshakespeare.txt] [--steps 2000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
+
+
+def train(name: str, work: Path, data: str, steps: int, threads: int, quick: bool, *args: str) -> dict[str, Any]:
+    """One `decoderlm train` run; its curve, final val loss (whole val split unless --quick), wall time and sample."""
+    run = work / name
+    cmd = [sys.executable, "-m", "decoderlm", "train", "--data", data, "--out", str(run), "--max-steps", str(steps),
+           "--threads", str(threads), *args]
+    if quick:
+        cmd += ["--eval-interval", str(max(1, steps // 2)), "--eval-batches", "1", "--log-interval", "1", "--sample-chars", "40"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+        sys.exit(f"{name}: `{' '.join(cmd)}` failed (exit {proc.returncode})")
+    history = json.loads((run / "log.json").read_text())
+    info = json.loads((run / "run.json").read_text())
+    val = [r for r in history if r["val_loss"] is not None]
+    return {
+        "name": name,
+        "command": "decoderlm train " + " ".join(a for a in cmd[4:] if not a.startswith(str(work))),
+        "parameters": info["parameters"],
+        "tokens": history[-1]["tokens_seen"],
+        "train_loss": round(sum(r["train_loss"] for r in history[-10:]) / len(history[-10:]), 4),  # last 10 logged
+        "val_loss": round(val[-1]["val_loss"], 4),
+        "wall_seconds": round(seconds, 1),  # includes start-up, evaluations and the sample
+        "curve": [(r["step"], r["train_loss"], r["val_loss"]) for r in history],
+        "sample": proc.stdout.split("--- sample ---\n", 1)[-1].rstrip("\n"),
+    }
+
+
+def bits_per_char(run: dict[str, Any], data_dir: Path) -> float:
+    """Val loss (nats per BPE token) as bits per character: × val tokens / val characters / ln 2."""
+    sys.path.insert(0, str(ROOT))
+    from decoderlm.train.data import open_data_dir
+    from decoderlm.train.prepare import load_tokenizer
+
+    _, val = open_data_dir(data_dir)
+    tokenizer = load_tokenizer(data_dir)
+    tokens = sum(len(shard) for shard in val)
+    chars = sum(len(tokenizer.decode([int(t) for t in shard])) for shard in val)
+    return run["val_loss"] * tokens / chars / math.log(2)
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        ax.plot([c[0] for c in run["curve"]], [c[1] for c in run["curve"]], color=color, lw=0.8, alpha=0.5, label=f"{run['name']} train")
+        val = [c for c in run["curve"] if c[2] is not None]
+        ax.plot([c[0] for c in val], [c[2] for c in val], "o-", color=color, ms=3, label=f"{run['name']} val ({run['val_loss']:.3f})")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps of every run (the issue's budget: 2000)")
+    p.add_argument("--mask-steps", type=int, default=500, help="steps of the two runs of experiment 1 (the unmasked loss collapses early)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per run (1 is steadiest on a shared machine)")
+    p.add_argument("--quick", action="store_true", help="a few steps and one val batch per run: checks the script, not the models")
+    p.add_argument("--out", help="folder for the JSON and PNGs (default: benchmarks/results/ and docs/)")
+    p.add_argument("--skip-changes", action="store_true", help="skip experiment 4 (changes to seed-char-llama)")
+    args = p.parse_args()
+    steps, mask_steps = (4, 4) if args.quick else (args.steps, args.mask_steps)
+    results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    data = str(Path(args.data).resolve())
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+
+        def run(name: str, *extra: str, data_path: str = data, n_steps: int = steps) -> dict[str, Any]:
+            r = train(name, work, data_path, n_steps, args.threads, args.quick, *extra)
+            print(f"{name:<24} {r['parameters']:>9,} params  {r['tokens']:>9,} tokens  train {r['train_loss']:.3f}  "
+                  f"val {r['val_loss']:.3f}  {r['wall_seconds']:>6.0f} s", flush=True)
+            return r
+
+        gpt = run("seed-char", "--preset", "seed-char")
+        llama = run("seed-char-llama", "--preset", "seed-char-llama")
+        plot([gpt, llama], docs_dir / "experiments_llama_vs_gpt.png", f"seed-char vs seed-char-llama, {steps} steps × 12 × 64 tokens")
+        masked = run("seed-char masked", "--preset", "seed-char", n_steps=mask_steps)
+        no_mask = run("seed-char causal=false", "--preset", "seed-char", "--set", "causal=false", n_steps=mask_steps)
+        plot([masked, no_mask], docs_dir / "experiments_causal_mask.png", f"seed-char with and without the causal mask, {mask_steps} steps")
+        runs = [gpt, llama, masked, no_mask]
+        save(runs, steps, args, results_dir)
+        bpe_dir = work / "bpe"
+        subprocess.run([sys.executable, "-m", "decoderlm", "prepare", "--data", data, "--out", str(bpe_dir), "--tokenizer", "bpe:2048"],
+                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+        bpe = run("seed-char-llama bpe:2048", "--preset", "seed-char-llama", data_path=str(bpe_dir))
+        bpe["val_bits_per_char"] = round(bits_per_char(bpe, bpe_dir), 4)
+        runs.append(bpe)
+        save(runs, steps, args, results_dir)  # kept even if the changes below are cut short
+        if not args.skip_changes:
+            for name, change in (("llama + qk_norm", "qk_norm=true"), ("llama + untied head", "tie_embeddings=false")):
+                runs.append(run(name, "--preset", "seed-char-llama", "--set", change))
+                save(runs, steps, args, results_dir)
+    print(f"\nbpe:2048 val loss {bpe['val_loss']:.3f} nats/token = {bpe['val_bits_per_char']:.3f} bits/char "
+          f"(seed-char-llama: {llama['val_bits_per_char']:.3f}, seed-char: {gpt['val_bits_per_char']:.3f})")
+    for r in (masked, no_mask):
+        print(f"\n--- sample: {r['name']} (train loss {r['train_loss']:.3f}) ---\n{r['sample'][:300]}")
+
+
+def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, results_dir: Path) -> None:
+    for r in runs:
+        r.setdefault("val_bits_per_char", round(r["val_loss"] / math.log(2), 4))  # char models: one token is one character
+    llama = next(r for r in runs if r["name"] == "seed-char-llama")
+    result = {
+        "steps": steps, "mask_steps": 4 if args.quick else args.mask_steps, "threads": args.threads, "quick": args.quick, "data": args.data,
+        "llama_target_val_loss": LLAMA_TARGET, "llama_meets_target": llama["val_loss"] <= LLAMA_TARGET,
+        "runs": runs,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    (results_dir / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
