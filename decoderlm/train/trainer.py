@@ -146,7 +146,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if world.rank:
             torch.manual_seed(cfg.seed + world.rank)  # dropout differs per process; the weights above do not
         objective = LMObjective(train_data, val_data, cfg, world, device)
-        return fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
+        result = fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
+        distributed.barrier(world)  # leave together: a process that tears down while a peer still saves aborts
+        return result
     except RuntimeError as e:  # gloo reports a timeout or a closed peer as a plain RuntimeError
         if not (world.distributed and lost_contact(e)):
             raise
