@@ -110,7 +110,8 @@ def learn_facts(workdir: Path, epochs: int = 4, threads: int | None = None) -> d
     run = workdir / "run"
     cmd = [sys.executable, "-m", "decoderlm", "sft", "--model", MODEL, "--data", str(data), "--out", str(run),
            "--epochs", str(epochs), "--batch-size", "8", "--lr", "2e-3", "--lora-rank", "16",
-           "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--eval-fraction", "0", "--log-interval", "4"]
+           "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--eval-fraction", "0", "--log-interval", "4",
+           "--seed", "0"]  # the seed the recorded results were measured with
     if threads:
         cmd += ["--threads", str(threads)]
     before = score(MODEL)

@@ -25,7 +25,8 @@ from decoderlm.jsonio import read_json
 from decoderlm.loader import load, resolve_device
 from decoderlm.model import Transformer
 from decoderlm.tokenizer import CharTokenizer
-from decoderlm.train import checkpoint
+from decoderlm.train import TrainConfig, checkpoint
+from decoderlm.train.config import TRAIN_SEED
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,9 @@ def test_seed_has_one_meaning():
     seeds = {name: a for name, p in subcommands().items() if name not in ("train", "sft", "dpo") for a in p._actions if a.dest == "seed"}
     assert set(seeds) >= {"generate", "chat", "check"}
     assert {a.default for a in seeds.values()} == {None} and len({a.help for a in seeds.values()}) == 1
+    training = {name: a.default for name, p in subcommands().items() if name in ("train", "sft", "dpo") for a in p._actions if a.dest == "seed"}
+    assert set(training) == {"train", "sft", "dpo"}
+    assert {TrainConfig.__dataclass_fields__["seed"].metadata["default"], *[d for d in training.values() if d is not None]} == {TRAIN_SEED}
 
 
 @pytest.mark.parametrize("source", ["hf", "m.gguf", "run"])

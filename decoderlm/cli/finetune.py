@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from decoderlm.finetune.run import FinetuneConfig, finetune
+from decoderlm.train.config import TRAIN_SEED
 
 SFT_DATA = ('JSONL, one conversation a line: {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} '
             'or {"prompt": ..., "completion": ...}; the loss is on the assistant\'s replies only')
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         else:
             p.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the reference")
         p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines with a warning instead of stopping")
-        p.add_argument("--seed", type=int, default=0, help="seed for the split, the order of batches and the adapters' init")
+        p.add_argument("--seed", type=int, default=TRAIN_SEED, help=f"seed for the split, the order of batches and the adapters' init (default: {TRAIN_SEED}, as train)")
         p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
         p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
         p.set_defaults(func=cmd_finetune, method=method)

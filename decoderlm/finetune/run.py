@@ -31,7 +31,7 @@ from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.model.transformer import IGNORE_INDEX
 from decoderlm.names import KNOWN
-from decoderlm.train.config import FIELDS, TrainConfig, validate
+from decoderlm.train.config import FIELDS, TRAIN_SEED, TrainConfig, validate
 from decoderlm.train.distributed import World
 from decoderlm.train.trainer import evaluate, fit, objective_metrics
 
@@ -61,7 +61,7 @@ class FinetuneConfig:
     eval_interval: int | None = None  # default: once per epoch
     log_interval: int = 10
     skip_bad_lines: bool = False
-    seed: int = 0
+    seed: int = TRAIN_SEED
     device: str = "cpu"
     threads: int | None = None
 

@@ -27,6 +27,7 @@ from decoderlm.errors import DecoderLMError
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
 PRECISIONS = ("fp32", "bf16")
+TRAIN_SEED = 1337  # every training command (train, sft, dpo) is reproducible by default, as nanoGPT's is
 
 
 def setting(help: str, on_resume: str, default: Any = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -71,7 +72,7 @@ class TrainConfig:
     dropout: float | None = setting("dropout probability in [0, 1)", FIXED)
     scheduled_sampling: float | None = setting("scheduled sampling: replace input tokens by the model's own predictions "
                                                "with a probability ramping from 0 to this over --decay-steps", FIXED, 0.0)
-    seed: int | None = setting("seed for the initial weights, batches and dropout", FIXED, 1337)
+    seed: int | None = setting("seed for the initial weights, batches and dropout", FIXED, TRAIN_SEED)
     precision: str | None = setting("fp32, or bf16 autocast (matmuls in bfloat16, weights and optimizer in fp32)",
                                     FIXED, "fp32", PRECISIONS)
     fsdp: bool = switch("shard parameters, gradients and optimizer state across processes (FSDP2) instead of "
