@@ -42,6 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from decoderlm.generate import decode_step, prefill  # noqa: E402
+from decoderlm.kv_cache import KVCache  # noqa: E402
 from decoderlm.loader import load  # noqa: E402
 from decoderlm.model import Transformer  # noqa: E402
 from decoderlm.model.transformer import lm_loss  # noqa: E402
@@ -86,16 +88,19 @@ def windows(val: torch.Tensor, length: int, limit: int | None = None) -> torch.T
 
 @torch.no_grad()
 def generate_own(model: Transformer, prefixes: torch.Tensor, n: int, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """The model's own continuation (B, n) of each prefix (B, P): greedy at temperature 0, else sampled."""
-    ids = prefixes
-    for _ in range(n):
-        logits = model(ids, logits_to_keep=1).logits[:, -1].float()  # (B, V)
+    """The model's own continuation (B, n) of each prefix (B, P): greedy at temperature 0, else sampled.
+    Prefill, then one cached decode step per token (decoderlm.generate's split), for all rows at once."""
+    cache = KVCache(model.config, len(prefixes), prefixes.shape[1] + n)
+    logits = prefill(model, prefixes, cache).float()  # (B, V)
+    own = []
+    for i in range(n):
         if temperature == 0:
-            nxt = logits.argmax(-1)
+            own.append(logits.argmax(-1))
         else:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        ids = torch.cat([ids, nxt[:, None]], 1)
-    return ids[:, prefixes.shape[1] :]
+            own.append(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0])
+        if i < n - 1:
+            logits = decode_step(model, own[-1], cache).float()
+    return torch.stack(own, 1)
 
 
 @torch.no_grad()
@@ -135,8 +140,10 @@ def rounded(t: torch.Tensor) -> list[float]:
     return [round(v, 4) for v in t.tolist()]
 
 
-def measure(run: Path, seed: int, limit: int | None = None) -> dict[str, Any]:
+def measure(run: Path, seed: int, limit: int | None = None, threads: int | None = None) -> dict[str, Any]:
     """Both numbers for the model in a run folder, on that run's own val split."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     model, tokenizer = load(run)
     val = torch.from_numpy(load_splits(run, token_dtype(tokenizer.vocab_size))[1][0].astype("int64"))
     return {"val_loss": teacher_forced_loss(model, val, model.config.max_seq_len), **exposure_gap(model, val, seed, limit)}
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for prob in (0.0, args.p):
                 t0 = time.perf_counter()
                 run = train_run(data, work / f"seed{seed}-p{prob:g}", steps, seed, prob, args.threads, args.quick)
-                rows.append({"p": prob, "seed": seed, **measure(run, seed, limit), "seconds": round(time.perf_counter() - t0, 1)})
+                rows.append({"p": prob, "seed": seed, **measure(run, seed, limit, args.threads), "seconds": round(time.perf_counter() - t0, 1)})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     result = {
         "command": f"decoderlm train --preset seed-char --max-steps {steps} --seed SEED [--scheduled-sampling {args.p:g}]",
