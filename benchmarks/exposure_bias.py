@@ -42,13 +42,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decoderlm.generate import decode_step, prefill  # noqa: E402
-from decoderlm.kv_cache import KVCache  # noqa: E402
-from decoderlm.loader import load  # noqa: E402
-from decoderlm.model import Transformer  # noqa: E402
-from decoderlm.model.transformer import lm_loss  # noqa: E402
-from decoderlm.train import TrainConfig, checkpoint, train  # noqa: E402
-from decoderlm.train.data import eval_windows, load_splits, token_dtype  # noqa: E402
+from decoderlm.generate import decode_step, prefill
+from decoderlm.kv_cache import KVCache
+from decoderlm.loader import load
+from decoderlm.model import Transformer
+from decoderlm.model.transformer import lm_loss
+from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.train.data import eval_windows, load_splits, token_dtype
 
 PREFIX, OWN, SCORE = 32, 16, 16  # a window fills seed-char's 64-token context (63 inputs)
 BATCH = 256  # windows per forward
@@ -65,7 +65,7 @@ def train_run(data: str, out: Path, steps: int, seed: int, p: float, threads: in
         if same and state["step"] == steps:
             return out
         sys.exit(f"{out} holds another run; remove it or choose another --work")
-    quick_flags = dict(eval_interval=steps, eval_batches=1, log_interval=1) if quick else {}
+    quick_flags = {"eval_interval": steps, "eval_batches": 1, "log_interval": 1} if quick else {}
     train(TrainConfig(data=data, out=str(out), preset="seed-char", max_steps=steps, seed=seed, scheduled_sampling=p,
                       threads=threads, sample_chars=0, **quick_flags))
     return out
@@ -151,14 +151,15 @@ def measure(run: Path, seed: int, limit: int | None = None, threads: int | None 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per P: the mean over seeds of each headline number."""
+    def value(row: dict[str, Any], key: str) -> float:
+        kind, _, name = key.partition(":")
+        return row[kind][name] if name else row[kind]
+
+    keys = ("val_loss", "true_context_loss", "greedy:own_context_loss", "greedy:gap", "sampled:own_context_loss", "sampled:gap")
     out = {}
     for p in sorted({r["p"] for r in rows}):
         mine = [r for r in rows if r["p"] == p]
-        mean = lambda f: round(statistics.mean(f(r) for r in mine), 4)  # noqa: E731
-        out[f"{p:g}"] = {"seeds": len(mine), "val_loss": mean(lambda r: r["val_loss"]),
-                         "true_context_loss": mean(lambda r: r["true_context_loss"]),
-                         **{f"{k}_own_context_loss": mean(lambda r, k=k: r[k]["own_context_loss"]) for k in ("greedy", "sampled")},
-                         **{f"{k}_gap": mean(lambda r, k=k: r[k]["gap"]) for k in ("greedy", "sampled")}}
+        out[f"{p:g}"] = {"seeds": len(mine)} | {k.replace(":", "_"): round(statistics.mean(value(r, k) for r in mine), 4) for k in keys}
     return out
 
 

@@ -14,8 +14,8 @@ import decoderlm
 from conftest import tiny_model
 from decoderlm import names
 from decoderlm.errors import DecoderLMError
-from decoderlm.finetune.data import check_chat, read_jsonl
 from decoderlm.finetune import FinetuneConfig, finetune, resume
+from decoderlm.finetune.data import check_chat, read_jsonl
 from decoderlm.finetune.objectives import EpochRows, SFTObjective
 from decoderlm.finetune.sft import batch_logits, collate, encode_chat, pack, sft_loss
 from decoderlm.formats.gguf import FastReader, Metadata, gguf_tokenizer
@@ -239,7 +239,7 @@ def saved(out) -> dict:
 
 def sft_config(base, data, out, lora: bool, **extra) -> FinetuneConfig:
     """Scheduled sampling and (with LoRA) adapter dropout on, so every random stream must resume exactly."""
-    adapters = dict(lora_rank=4, lora_targets="q_proj,v_proj,o_proj", lora_dropout=0.2) if lora else {}
+    adapters = {"lora_rank": 4, "lora_targets": "q_proj,v_proj,o_proj", "lora_dropout": 0.2} if lora else {}
     return FinetuneConfig(model=str(base), data=str(data), out=str(out), epochs=3, batch_size=4, lr=3e-3, packing=True,
                           max_length=64, log_interval=1, eval_interval=2, scheduled_sampling=0.5, **adapters, **extra)
 

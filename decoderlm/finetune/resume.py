@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,13 @@ from torch import nn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.train import checkpoint
+from decoderlm.train.config import flag
 
 STATE_NAME = "finetune_state.pt"
 FIXED = ("model", "data", "epochs", "lr", "batch_size", "max_length", "packing", "lora_rank", "lora_alpha", "lora_targets",
          "lora_dropout", "beta", "scheduled_sampling", "warmup", "eval_fraction", "skip_bad_lines", "seed")
 RUN = ("max_steps", "eval_interval", "log_interval")
 SESSION = ("stop_after", "device", "threads")
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def file_digest(path: str | Path) -> str:
@@ -65,7 +63,7 @@ def read_state(out: str | Path) -> dict[str, Any]:
                              "start a new run with another --out")
     try:
         return checkpoint.read_path(path)
-    except Exception as e:  # a cut or foreign file: torch reports it in many ways
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # a cut or foreign file
         raise DecoderLMError(f"{path} is truncated or corrupt ({type(e).__name__}); start a new run with another --out") from None
 
 

@@ -73,8 +73,8 @@ class FinetuneConfig:
     threads: int | None = None
 
 
-DEFAULTS = dict(epochs=1, batch_size=8, max_length=512, lora_rank=0, lora_targets="q_proj,v_proj", lora_dropout=0.0, beta=0.1,
-                scheduled_sampling=0.0, eval_fraction=0.1, log_interval=10, seed=TRAIN_SEED, device="cpu")
+DEFAULTS = {"epochs": 1, "batch_size": 8, "max_length": 512, "lora_rank": 0, "lora_targets": "q_proj,v_proj", "lora_dropout": 0.0,
+            "beta": 0.1, "scheduled_sampling": 0.0, "eval_fraction": 0.1, "log_interval": 10, "seed": TRAIN_SEED, "device": "cpu"}
 
 
 def check(cfg: FinetuneConfig) -> None:
