@@ -8,6 +8,7 @@
 3. seed-char-llama on BPE tokens (`decoderlm prepare --tokenizer bpe:2048`), its val loss converted to
    bits per character so it compares with the char models.
 4. Changes to seed-char-llama within the same budget (steps, tokens, parameters ± 5 %), one at a time.
+5. seed-char with and without scheduled sampling: val loss and the exposure-bias gap (benchmarks/exposure_bias.py).
 
 Writes benchmarks/results/experiments.json and docs/experiments_*.png (or both into --out), prints a table.
 
@@ -136,6 +137,9 @@ def main() -> None:
             for name, change in (("llama + qk_norm", "qk_norm=true"), ("llama + untied head", "tie_embeddings=false")):
                 runs.append(run(name, "--preset", "seed-char-llama", "--set", change))
                 save(runs, steps, args, results_dir)
+    # 5. Scheduled sampling's effect on the exposure-bias gap (benchmarks/exposure_bias.py; its own JSON)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exposure_bias.py"), "--data", data, "--steps", str(args.steps),
+                    "--threads", str(args.threads), "--out", str(results_dir), *(["--quick"] if args.quick else [])], check=True, cwd=ROOT)
     print(f"\nbpe:2048 val loss {bpe['val_loss']:.3f} nats/token = {bpe['val_bits_per_char']:.3f} bits/char "
           f"(seed-char-llama: {llama['val_bits_per_char']:.3f}, seed-char: {gpt['val_bits_per_char']:.3f})")
     for r in (masked, no_mask):

@@ -14,8 +14,9 @@ import decoderlm
 from conftest import tiny_model
 from decoderlm import names
 from decoderlm.errors import DecoderLMError
+from decoderlm.finetune import FinetuneConfig, finetune, resume
 from decoderlm.finetune.data import check_chat, read_jsonl
-from decoderlm.finetune.objectives import EpochRows
+from decoderlm.finetune.objectives import EpochRows, SFTObjective
 from decoderlm.finetune.sft import batch_logits, collate, encode_chat, pack, sft_loss
 from decoderlm.formats.gguf import FastReader, Metadata, gguf_tokenizer
 from decoderlm.model.transformer import IGNORE_INDEX
@@ -223,3 +224,91 @@ def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
     assert result["before"]["accuracy"] <= 0.125
     assert result["after"]["accuracy"] >= 0.8
     assert result["after"]["unrelated"]["sensible"]  # still knows the capital of France
+
+
+# --- --resume ------------------------------------------------------------------------------------
+
+def curve(out) -> list[tuple]:
+    """The logged steps as training computed them (not the timings)."""
+    return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in json.loads((out / "log.json").read_text())]
+
+
+def saved(out) -> dict:
+    return torch.load(out / resume.STATE_NAME, weights_only=True)
+
+
+def sft_config(base, data, out, lora: bool, **extra) -> FinetuneConfig:
+    """Scheduled sampling and (with LoRA) adapter dropout on, so every random stream must resume exactly."""
+    adapters = {"lora_rank": 4, "lora_targets": "q_proj,v_proj,o_proj", "lora_dropout": 0.2} if lora else {}
+    return FinetuneConfig(model=str(base), data=str(data), out=str(out), epochs=3, batch_size=4, lr=3e-3, packing=True,
+                          max_length=64, log_interval=1, eval_interval=2, scheduled_sampling=0.5, **adapters, **extra)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_killed_sft_run_resumed_equals_an_uninterrupted_one(tmp_path, monkeypatch, lora):
+    """Killed during step 4 (its last save at step 2), resumed: the same losses, weights and optimizer state."""
+    base = tmp_path / "base"
+    base.mkdir()
+    make_chat_model(base)
+    data = write_jsonl(tmp_path / "chats.jsonl", facts(8) * 3)
+    whole = finetune(sft_config(base, data, tmp_path / "whole", lora))
+    draws = 0
+    real_batches = SFTObjective.batches
+
+    def killed_in_step_4(self):
+        nonlocal draws
+        draws += 1
+        if draws == 4:
+            raise KeyboardInterrupt
+        return real_batches(self)
+
+    monkeypatch.setattr(SFTObjective, "batches", killed_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(sft_config(base, data, tmp_path / "killed", lora))
+    monkeypatch.undo()
+    assert saved(tmp_path / "killed")["step"] == 2
+    resumed = finetune(FinetuneConfig(out=str(tmp_path / "killed"), resume=True))
+    assert resumed["step"] == whole["step"] > 4
+    assert curve(tmp_path / "killed") == curve(tmp_path / "whole")
+    a, b = saved(tmp_path / "whole"), saved(tmp_path / "killed")
+    assert a["trainable"].keys() == b["trainable"].keys() and len(a["trainable"]) == (12 if lora else 21)  # 2 layers × 3 × A, B
+    assert all(torch.equal(a["trainable"][k], b["trainable"][k]) for k in a["trainable"])
+    assert all(torch.equal(a["optimizer"]["state"][i]["exp_avg_sq"], b["optimizer"]["state"][i]["exp_avg_sq"]) for i in a["optimizer"]["state"])
+    torch.testing.assert_close(decoderlm.load(tmp_path / "killed")[0].state_dict(), decoderlm.load(tmp_path / "whole")[0].state_dict(),
+                               atol=0, rtol=0)  # the run folder is the same model
+
+
+def test_sft_cli_resume_refuses_a_changed_setup_and_extends_on_request(tmp_path, cli, capsys):
+    base = tmp_path / "base"
+    base.mkdir()
+    make_chat_model(base)
+    data = write_jsonl(tmp_path / "chats.jsonl", facts(8) * 2)
+    out = tmp_path / "run"
+    start = ["--out", str(out), "--batch-size", "4", "--max-length", "64", "--lora-rank", "2", "--log-interval", "1"]
+    assert cli(["sft", "--model", str(base), "--data", str(data), *start, "--max-steps", "4", "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    state = (out / resume.STATE_NAME).read_bytes()
+    for argv, message in (
+        (["--lr", "0.5", "--batch-size", "3"], "these differ from it: --lr 0.5 (the run's: 0.0002); --batch-size 3 (the run's: 4)"),
+        (["--packing"], "--packing True (the run's: False)"),
+        (["--model", str(tmp_path)], f"--model {tmp_path} (the run's: {base})"),
+        (["--max-steps", "2"], "already at step 2; pass a --max-steps larger than 2"),
+    ):
+        assert cli(["sft", "--out", str(out), "--resume", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert cli(["dpo", "--out", str(out), "--resume"]) == 2
+    assert "is a sft run; resume it with decoderlm sft --resume" in capsys.readouterr().err
+    assert (out / resume.STATE_NAME).read_bytes() == state  # nothing refused touched the run
+    # the run's own values are fine (the data by another spelling of its path); --max-steps extends it
+    assert cli(["sft", "--out", str(out), "--resume", "--data", str(tmp_path / "." / "chats.jsonl"), "--batch-size", "4",
+                "--max-steps", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "note: resuming with --max-steps 6 (the run had 4)" in err
+    assert [r["step"] for r in json.loads((out / "log.json").read_text())] == [1, 2, 3, 4, 5, 6]
+    lrs = [r["lr"] for r in json.loads((out / "log.json").read_text())]
+    assert lrs[4:] == [2e-5] * 2 and lrs == sorted(lrs, reverse=True)  # past the schedule's 4 steps: its final lr, never back up
+    data.write_text(data.read_text() + json.dumps(facts(1)[0]) + "\n")
+    assert cli(["sft", "--out", str(out), "--resume", "--max-steps", "8"]) == 2
+    assert "changed since the run started" in capsys.readouterr().err
+    assert cli(["sft", "--out", str(tmp_path / "nowhere"), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err

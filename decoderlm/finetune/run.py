@@ -4,7 +4,8 @@ The data are read and checked, then tokenized once; an eval split is held out. T
 `Objective` (decoderlm.finetune.objectives) run by pretraining's loop, which writes the model out
 (`fit`'s export) wherever pretraining would save a checkpoint.
 The run folder is a model any command loads: an HF folder after full fine-tuning, or a PEFT adapter
-(adapter_config.json names the base) after LoRA, which `load` merges into the base.
+(adapter_config.json names the base) after LoRA, which `load` merges into the base; beside it,
+finetune_state.pt lets a stopped run continue (`--resume`, see decoderlm.finetune.resume).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from decoderlm.device import resolve_device
 from decoderlm.errors import DecoderLMError
+from decoderlm.finetune import resume
 from decoderlm.finetune.data import as_messages, check_chat, check_pair, read_jsonl
 from decoderlm.finetune.dpo import encode_pair
 from decoderlm.finetune.lora import apply_lora, save_adapter, trainable_summary
@@ -40,37 +42,46 @@ METHODS = ("sft", "dpo")
 
 @dataclass
 class FinetuneConfig:
-    model: str
-    data: str
-    out: str
+    """Fine-tuning settings. A field left None was not given: a new run takes DEFAULTS or derives it from
+    the data (max_steps, lr, warmup, lora_alpha, eval_interval); --resume keeps the run's (see `resume`)."""
+
+    model: str | None = None
+    data: str | None = None
+    out: str | None = None
     method: str = "sft"
-    epochs: int = 1
+    resume: bool = False
+    epochs: int | None = None
     max_steps: int | None = None  # default: epochs × batches per epoch
+    stop_after: int | None = None  # stop after this step, to --resume later
     lr: float | None = None  # default: 2e-5 full, 2e-4 LoRA (DPO: a tenth of these)
-    batch_size: int = 8
-    max_length: int = 512
+    batch_size: int | None = None
+    max_length: int | None = None
     packing: bool = False
-    lora_rank: int = 0  # 0: full fine-tuning
+    lora_rank: int | None = None  # 0: full fine-tuning
     lora_alpha: float | None = None  # default: 2 × rank
-    lora_targets: str = "q_proj,v_proj"
-    lora_dropout: float = 0.0
-    beta: float = 0.1  # DPO's β
-    scheduled_sampling: float = 0.0  # SFT: the largest share of reply tokens replaced by the model's predictions
+    lora_targets: str | None = None
+    lora_dropout: float | None = None
+    beta: float | None = None  # DPO's β
+    scheduled_sampling: float | None = None  # SFT: the largest share of reply tokens replaced by the model's predictions
     warmup: int | None = None  # default: a tenth of the steps, at most 100
-    eval_fraction: float = 0.1
+    eval_fraction: float | None = None
     eval_interval: int | None = None  # default: once per epoch
-    log_interval: int = 10
+    log_interval: int | None = None
     skip_bad_lines: bool = False
-    seed: int = TRAIN_SEED
-    device: str = "cpu"
+    seed: int | None = None
+    device: str | None = None
     threads: int | None = None
+
+
+DEFAULTS = {"epochs": 1, "batch_size": 8, "max_length": 512, "lora_rank": 0, "lora_targets": "q_proj,v_proj", "lora_dropout": 0.0,
+            "beta": 0.1, "scheduled_sampling": 0.0, "eval_fraction": 0.1, "log_interval": 10, "seed": TRAIN_SEED, "device": "cpu"}
 
 
 def check(cfg: FinetuneConfig) -> None:
     """Settings refused before any data or model is read."""
     if cfg.method not in METHODS:
         raise DecoderLMError(f"method {cfg.method!r} is not one of {', '.join(METHODS)}")
-    for name in ("epochs", "batch_size", "max_length", "log_interval", "max_steps", "eval_interval", "threads"):
+    for name in ("epochs", "batch_size", "max_length", "log_interval", "max_steps", "stop_after", "eval_interval", "threads"):
         value = getattr(cfg, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise DecoderLMError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -92,20 +103,38 @@ def check(cfg: FinetuneConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise DecoderLMError(f"--out {out} is a file; give a folder for the run")
+
+
+def resolve_new(cfg: FinetuneConfig) -> FinetuneConfig:
+    """A new run's settings: given, else DEFAULTS; the model and data named as resume will compare them."""
+    if cfg.model is None or cfg.data is None:
+        raise DecoderLMError("--model and --data are required to start a run (or --resume to continue the one in --out)")
+    given = {k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}
+    cfg = FinetuneConfig(**DEFAULTS | given)
+    out = Path(cfg.out)
     if out.is_dir() and any(out.iterdir()):
-        raise DecoderLMError(f"--out {out} is not empty; choose a new or empty folder")
+        raise DecoderLMError(f"--out {out} is not empty; choose a new or empty folder, or pass --resume to continue its run")
+    return dataclasses.replace(cfg, model=base_name(cfg.model), data=str(Path(cfg.data).resolve()) if Path(cfg.data).exists() else cfg.data)
 
 
-def loop_config(cfg: FinetuneConfig, max_steps: int, eval_interval: int) -> TrainConfig:
-    """The loop's settings: the optimizer, schedule and intervals fine-tuning chooses; the rest are the fields' defaults."""
-    lr = cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora_rank else 2e-5) / (10 if cfg.method == "dpo" else 1)
-    warmup = cfg.warmup if cfg.warmup is not None else min(100, max_steps // 10)
+def derive(cfg: FinetuneConfig, per_epoch: int) -> FinetuneConfig:
+    """A new run's settings that depend on the data and on each other, made explicit so --resume keeps them."""
+    max_steps = cfg.max_steps or cfg.epochs * per_epoch
+    return dataclasses.replace(
+        cfg, max_steps=max_steps, eval_interval=cfg.eval_interval or per_epoch,
+        lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora_rank else 2e-5) / (10 if cfg.method == "dpo" else 1),
+        warmup=cfg.warmup if cfg.warmup is not None else min(100, max_steps // 10),
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None or not cfg.lora_rank else 2 * cfg.lora_rank)
+
+
+def loop_config(cfg: FinetuneConfig, decay_steps: int) -> TrainConfig:
+    """The loop's settings: the optimizer, schedule and intervals fine-tuning chose; the rest are the fields' defaults."""
     defaults = {name: f.metadata["default"] for name, f in FIELDS.items()} | {"preset": None}
     chosen = {
-        "data": cfg.data, "out": cfg.out, "max_steps": max_steps, "decay_steps": max_steps, "batch_size": cfg.batch_size,
-        "context": cfg.max_length, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "weight_decay": 0.0, "beta2": 0.999,
-        "dropout": 0.0, "seed": cfg.seed, "eval_interval": eval_interval, "log_interval": cfg.log_interval,
-        "device": cfg.device, "threads": cfg.threads, "scheduled_sampling": cfg.scheduled_sampling,
+        "data": cfg.data, "out": cfg.out, "max_steps": cfg.max_steps, "decay_steps": decay_steps, "stop_after": cfg.stop_after,
+        "batch_size": cfg.batch_size, "context": cfg.max_length, "lr": cfg.lr, "min_lr": cfg.lr / 10, "warmup": cfg.warmup,
+        "weight_decay": 0.0, "beta2": 0.999, "dropout": 0.0, "seed": cfg.seed, "eval_interval": cfg.eval_interval,
+        "log_interval": cfg.log_interval, "device": cfg.device, "threads": cfg.threads, "scheduled_sampling": cfg.scheduled_sampling,
     }
     return validate(TrainConfig(**defaults | chosen))
 
@@ -123,9 +152,24 @@ def base_name(source: str) -> str:
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Run SFT or DPO as `cfg` says; return the fit summary plus the held-out metrics."""
+    """Run SFT or DPO as `cfg` says, or continue the run in cfg.out (cfg.resume); return the fit summary
+    plus the held-out metrics."""
+    if cfg.out is None:
+        raise DecoderLMError("--out is required: the run folder to write (or, with --resume, to continue)")
+    state, notes = None, []
+    if cfg.resume:
+        state = resume.read_state(cfg.out)
+        cfg, notes = resume.resolve_resume(cfg, FinetuneConfig(**state["settings"]), state["step"])
+    else:
+        cfg = resolve_new(cfg)
     check(cfg)
     records = [r for _, r in read_jsonl(cfg.data, check_chat if cfg.method == "sft" else check_pair, cfg.skip_bad_lines)]
+    digest = resume.file_digest(cfg.data)
+    if state is not None and digest != state["data_sha256"]:
+        raise DecoderLMError(f"{cfg.data} changed since the run started, and --resume continues on the same data; "
+                             "restore it, or start a new run with another --out")
+    for note in notes:
+        print(note, file=sys.stderr)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, tokenizer = load(cfg.model)
@@ -143,39 +187,53 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     train_items, eval_items = split(usable, cfg.eval_fraction, cfg.seed)
     if not train_items:
         raise DecoderLMError(f"{cfg.data}: no records left to train on; give more data or a smaller --eval-fraction")
+    n_rows = len(pack([len(ex.ids) for ex in train_items], cfg.max_length)) if cfg.method == "sft" and cfg.packing else len(train_items)
+    per_epoch = math.ceil(n_rows / cfg.batch_size)
+    if state is None:
+        cfg = derive(cfg, per_epoch)
     torch.manual_seed(cfg.seed)
     if cfg.lora_rank:
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank, targets, cfg.lora_dropout)
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, cfg.lora_dropout)
     print(trainable_summary(model))
     device = resolve_device(cfg.device)
     model.to(device)
 
-    n_rows = len(pack([len(ex.ids) for ex in train_items], cfg.max_length)) if cfg.method == "sft" and cfg.packing else len(train_items)
-    per_epoch = math.ceil(n_rows / cfg.batch_size)
-    max_steps = cfg.max_steps or cfg.epochs * per_epoch
-    loop = loop_config(cfg, max_steps, cfg.eval_interval or per_epoch)
+    loop = loop_config(cfg, state["decay_steps"] if state is not None else cfg.max_steps)
     if cfg.method == "sft":
         objective: SFTObjective | DPOObjective = SFTObjective(train_items, eval_items, loop, pad_id, cfg.packing, device)
-    else:
+    else:  # the reference is the starting model, taken before a resumed run's weights are loaded
         objective = DPOObjective(train_items, eval_items, loop, pad_id, cfg.beta, None if cfg.lora_rank else frozen_copy(model), device)
 
-    before = evaluate(model, objective, loop, device, World())
-    objective_metrics(model, objective, loop, device)  # DPO: the rewards before training, its first `evaluations` row
-    print(f"{len(train_items)} train / {len(eval_items)} eval records; {per_epoch} steps per epoch, {max_steps} steps"
-          + (f"; eval loss before: {before:.4f}" if eval_items else ""))
+    if state is None:
+        before = evaluate(model, objective, loop, device, World())
+        objective_metrics(model, objective, loop, device)  # DPO: the rewards before training, its first `evaluations` row
+    else:
+        resume.load_trainable(model, {k: v.to(device) for k, v in state["trainable"].items()}, Path(cfg.out))
+        before = state["eval_loss_before"]
+        if isinstance(objective, DPOObjective):
+            objective.evaluations = state["evaluations"]
+    print(f"{len(train_items)} train / {len(eval_items)} eval records; {per_epoch} steps per epoch, {cfg.max_steps} steps"
+          + (f"; eval loss before: {before:.4f}" if eval_items else "")
+          + (f"; resuming at step {state['step']}" if state is not None else ""))
 
     out = Path(cfg.out)
 
-    def export(model: Transformer, out: Path) -> None:
+    def export(model: Transformer, out: Path, progress: dict[str, Any]) -> None:
+        """The model any command loads, then what --resume needs besides it."""
         out.mkdir(parents=True, exist_ok=True)
         if cfg.lora_rank:
-            save_adapter(model, out, base_name(cfg.model))
+            save_adapter(model, out, cfg.model)
             tokenizer.save(out)
         else:
             save_hf(model, tokenizer, out)
+        resume.save_state(out, progress | {
+            "trainable": {k: v.cpu() for k, v in resume.trainable_state(model).items()}, "settings": dataclasses.asdict(cfg),
+            "decay_steps": loop.decay_steps, "data_sha256": digest, "eval_loss_before": before,
+            "evaluations": objective.evaluations if isinstance(objective, DPOObjective) else []})
 
-    result = fit(model, objective, loop, out, {}, tokenizer, device=device, export=export)
+    continued = {**state, "model": model.state_dict()} if state is not None else {}
+    result = fit(model, objective, loop, out, continued, tokenizer, device=device, export=export)
     summary = {"settings": dataclasses.asdict(cfg), "step": result["step"], "eval_loss_before": before}
     if isinstance(objective, DPOObjective):
         summary["eval"] = objective.evaluations  # before training, then at each evaluation

@@ -188,13 +188,14 @@ def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.devic
 
 def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, state: dict[str, Any], tokenizer: Tokenizer,
         world: World = World(), device: torch.device = torch.device("cpu"),
-        export: Callable[[Transformer, Path], None] | None = None) -> dict[str, Any]:
+        export: Callable[[Transformer, Path, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The loop: `objective` says what a step trains on; `state` is a checkpoint to continue from (it has
     "optimizer") or a new run's {"config", ...}. Rank 0 alone writes the checkpoint and logs.
 
     `export`, if given, writes the model into `out` wherever a checkpoint would be saved, in place of
     ckpt.pt and best.pt: fine-tuning's run folder is the model itself (an HF folder or a LoRA adapter),
-    which every command loads, and is not resumed."""
+    which every command loads. It also gets the loop's progress (optimizer, RNG states, step, logs): the
+    rest of what resuming needs, which the caller saves and passes back in `state` to continue."""
     sharded = cfg.fsdp and world.distributed
     if "optimizer" in state and not state.get("sharded"):
         model.load_state_dict(state["model"])
@@ -219,8 +220,10 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
 
     def save_state(name: str = checkpoint.CKPT_NAME) -> None:
         if export is not None:
+            rng = rng_states(objective, device, world)
             if world.main and name == checkpoint.CKPT_NAME:
-                export(model, out)
+                export(model, out, {"optimizer": optimizer.state_dict(), "rng": rng, "step": step, "history": history,
+                                    "window": (window_loss, window_steps), "tokens_seen": tokens_seen, "best_val": best})
                 save_logs(out, history, run_info)
             distributed.barrier(world)
             return
