@@ -1,5 +1,5 @@
 """The training loop: AdamW or Muon (decoderlm.train.optim), warmup + cosine schedule, gradient accumulation,
-and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
+clipping, periodic eval and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
 
 What a batch is and how its loss is computed is an `Objective` (decoderlm.train.objective) passed to
 `fit`: `LMObjective` (random windows, next-token loss) for pretraining; fine-tuning passes its own
