@@ -8,6 +8,9 @@
 3. seed-char-llama on BPE tokens (`decoderlm prepare --tokenizer bpe:2048`), its val loss converted to
    bits per character so it compares with the char models.
 4. Changes to seed-char-llama within the same budget (steps, tokens, parameters ± 5 %), one at a time.
+5. Improvements: each change of `IMPROVEMENTS` against the same baseline, over two seeds, and the
+   combination that won (the seed-char-plus preset); the table goes under "improvements" in the JSON,
+   the val curves into docs/experiments_improvements.png (`--only-improvements` runs this part alone).
 
 Writes benchmarks/results/experiments.json and docs/experiments_*.png (or both into --out), prints a table.
 
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
@@ -100,8 +103,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (1 is steadiest on a shared machine)")
     p.add_argument("--quick", action="store_true", help="a few steps and one val batch per run: checks the script, not the models")
     p.add_argument("--out", help="folder for the JSON and PNGs (default: benchmarks/results/ and docs/)")
-    p.add_argument("--skip-changes", action="store_true", help="skip experiment 4 (changes to seed-char-llama)")
+    p.add_argument("--skip-changes", action="store_true", help="skip experiments 4 and 5 (changes to seed-char-llama)")
+    p.add_argument("--only-improvements", action="store_true", help="run experiment 5 alone, adding it to an existing JSON")
     args = p.parse_args()
+    if args.only_improvements:
+        return main_improvements(args)
     steps, mask_steps = (4, 4) if args.quick else (args.steps, args.mask_steps)
     results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +142,8 @@ def main() -> None:
             for name, change in (("llama + qk_norm", "qk_norm=true"), ("llama + untied head", "tie_embeddings=false")):
                 runs.append(run(name, "--preset", "seed-char-llama", "--set", change))
                 save(runs, steps, args, results_dir)
+    if not args.skip_changes:
+        main_improvements(args)
     print(f"\nbpe:2048 val loss {bpe['val_loss']:.3f} nats/token = {bpe['val_bits_per_char']:.3f} bits/char "
           f"(seed-char-llama: {llama['val_bits_per_char']:.3f}, seed-char: {gpt['val_bits_per_char']:.3f})")
     for r in (masked, no_mask):
@@ -153,6 +161,102 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
     (results_dir / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+# --- 5. Improvements: each change against the same baseline, two seeds each ---------------------------------
+
+LLAMA = ("--preset", "seed-char-llama")
+IMPROVEMENTS: list[tuple[str, tuple[str, ...]]] = [  # (change, train arguments); the first is the baseline
+    ("seed-char-llama (baseline)", LLAMA),
+    ("+ qk_norm", (*LLAMA, "--set", "qk_norm=true")),
+    ("+ AdamW lr 2e-3", (*LLAMA, "--lr", "2e-3", "--min-lr", "2e-4")),
+    ("+ Muon lr 0.01", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.01")),
+    ("+ Muon lr 0.02", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.02")),
+    ("+ Muon lr 0.04", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.04")),
+    ("seed-char-plus (combined)", ("--preset", "seed-char-plus")),
+]
+SEEDS = (1337, 1338)
+PLUS_TARGET = 1.60  # issue 11: how far the same budget should go
+
+
+def run_improvements(run: Callable[..., dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    """Every change of IMPROVEMENTS once per seed, each a full run named 'CHANGE sSEED'."""
+    return [run(f"{change} s{seed}", *args, "--seed", str(seed)) for change, args in IMPROVEMENTS for seed in seeds]
+
+
+def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    """One row per change: val loss per seed, their mean, the mean's difference from the baseline's,
+    parameters and mean wall time (same machine, same load: compare within this table only)."""
+    by_name = {r["name"]: r for r in runs}
+    rows = []
+    for change, args in IMPROVEMENTS:
+        done = [by_name[f"{change} s{seed}"] for seed in seeds if f"{change} s{seed}" in by_name]
+        if not done:
+            continue
+        mean = sum(r["val_loss"] for r in done) / len(done)
+        rows.append({"change": change, "arguments": " ".join(args), "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done},
+                     "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"],
+                     "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1)})
+    for row in rows:
+        row["delta_vs_baseline"] = round(row["mean_val_loss"] - rows[0]["mean_val_loss"], 4)
+    return rows
+
+
+def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEEDS[0]) -> None:
+    """Val curves of every change at one seed, on one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for change, _ in IMPROVEMENTS:
+        run = next((r for r in runs if r["name"] == f"{change} s{seed}"), None)
+        if run is None:
+            continue
+        val = [c for c in run["curve"] if c[2] is not None and c[0] >= 500]  # the first evaluations dwarf the rest
+        ax.plot([c[0] for c in val], [c[2] for c in val], "o-", ms=3, lw=1, label=f"{change} ({run['val_loss']:.3f})")
+    ax.set(xlabel="step", ylabel="val cross-entropy (nats/char)", title=f"seed-char-llama changes, same budget (seed {seed})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def save_improvements(runs: list[dict[str, Any]], results_dir: Path, docs_dir: Path) -> list[dict[str, Any]]:
+    """Add the improvements table (and its runs' curves) to experiments.json, keeping what else it holds."""
+    path = results_dir / "experiments.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    rows = summarise_improvements(runs)
+    plus = next((r for r in rows if r["change"].startswith("seed-char-plus")), None)
+    result["improvements"] = {"seeds": list(SEEDS), "target_val_loss": PLUS_TARGET, "table": rows,
+                              "plus_meets_target": None if plus is None else plus["mean_val_loss"] <= PLUS_TARGET,
+                              "runs": [{k: r[k] for k in ("name", "command", "parameters", "val_loss", "wall_seconds", "curve")} for r in runs]}
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot_improvements(runs, docs_dir / "experiments_improvements.png")
+    return rows
+
+
+def main_improvements(args: argparse.Namespace) -> None:
+    steps = 4 if args.quick else args.steps
+    results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name: str, *extra: str) -> dict[str, Any]:
+            r = train(name, Path(tmp), str(Path(args.data).resolve()), steps, args.threads, args.quick, *extra)
+            runs.append(r)
+            save_improvements(runs, results_dir, docs_dir)  # kept even if the rest is cut short
+            return r
+
+        run_improvements(run)
+    print(f"\n{'change':<28} {'val loss per seed':<22} {'mean':>6} {'delta':>7} {'params':>9} {'wall s':>7}")
+    for row in summarise_improvements(runs):
+        seeds = " ".join(f"{v:.3f}" for v in row["val_loss"].values())
+        print(f"{row['change']:<28} {seeds:<22} {row['mean_val_loss']:>6.3f} {row['delta_vs_baseline']:>+7.3f} "
+              f"{row['parameters']:>9,} {row['wall_seconds']:>7.0f}")
 
 
 if __name__ == "__main__":
