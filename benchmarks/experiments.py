@@ -170,10 +170,11 @@ IMPROVEMENTS: list[tuple[str, tuple[str, ...]]] = [  # (change, train arguments)
     ("seed-char-llama (baseline)", LLAMA),
     ("+ qk_norm", (*LLAMA, "--set", "qk_norm=true")),
     ("+ AdamW lr 2e-3", (*LLAMA, "--lr", "2e-3", "--min-lr", "2e-4")),
-    ("+ Muon lr 0.01", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.01")),
     ("+ Muon lr 0.02", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.02")),
     ("+ Muon lr 0.04", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.04")),
-    ("seed-char-plus (combined)", ("--preset", "seed-char-plus")),
+    ("seed-char-plus (qk_norm + Muon 0.02)", ("--preset", "seed-char-plus")),
+    # Muon's Newton-Schulz steps cost time on a CPU thread: fewer steps in the baseline's wall-clock time.
+    ("seed-char-plus, 1500 steps", ("--preset", "seed-char-plus", "--max-steps", "1500")),
 ]
 SEEDS = (1337, 1338)
 PLUS_TARGET = 1.60  # issue 11: how far the same budget should go
@@ -186,7 +187,8 @@ def run_improvements(run: Callable[..., dict[str, Any]], seeds: tuple[int, ...] 
 
 def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
     """One row per change: val loss per seed, their mean, the mean's difference from the baseline's,
-    parameters and mean wall time (same machine, same load: compare within this table only)."""
+    parameters, tokens, mean wall time and seconds per training step (evaluations excluded; both depend
+    on the machine's load, so compare runs made side by side)."""
     by_name = {r["name"]: r for r in runs}
     rows = []
     for change, args in IMPROVEMENTS:
@@ -195,11 +197,20 @@ def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = 
             continue
         mean = sum(r["val_loss"] for r in done) / len(done)
         rows.append({"change": change, "arguments": " ".join(args), "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done},
-                     "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"],
-                     "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1)})
+                     "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"], "tokens": done[0]["tokens"],
+                     "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1),
+                     "step_seconds": round(sum(r["step_seconds"] for r in done) / len(done), 4)})
     for row in rows:
         row["delta_vs_baseline"] = round(row["mean_val_loss"] - rows[0]["mean_val_loss"], 4)
     return rows
+
+
+def step_seconds(run: Path) -> float:
+    """Median seconds per optimizer step over the run's logged windows (evaluations excluded)."""
+    import statistics
+
+    history = json.loads((run / "log.json").read_text())
+    return statistics.median(r["tokens_seen"] / r["step"] / r["tokens_per_s"] for r in history)  # tokens per step / tokens per s
 
 
 def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEEDS[0]) -> None:
@@ -232,7 +243,8 @@ def save_improvements(runs: list[dict[str, Any]], results_dir: Path, docs_dir: P
     plus = next((r for r in rows if r["change"].startswith("seed-char-plus")), None)
     result["improvements"] = {"seeds": list(SEEDS), "target_val_loss": PLUS_TARGET, "table": rows,
                               "plus_meets_target": None if plus is None else plus["mean_val_loss"] <= PLUS_TARGET,
-                              "runs": [{k: r[k] for k in ("name", "command", "parameters", "val_loss", "wall_seconds", "curve")} for r in runs]}
+                              "runs": [{k: r[k] for k in ("name", "command", "parameters", "tokens", "val_loss", "wall_seconds", "step_seconds", "curve")}
+                              for r in runs]}
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot_improvements(runs, docs_dir / "experiments_improvements.png")
     return rows
@@ -247,16 +259,17 @@ def main_improvements(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         def run(name: str, *extra: str) -> dict[str, Any]:
             r = train(name, Path(tmp), str(Path(args.data).resolve()), steps, args.threads, args.quick, *extra)
+            r["step_seconds"] = step_seconds(Path(tmp) / name)
             runs.append(r)
             save_improvements(runs, results_dir, docs_dir)  # kept even if the rest is cut short
             return r
 
         run_improvements(run)
-    print(f"\n{'change':<28} {'val loss per seed':<22} {'mean':>6} {'delta':>7} {'params':>9} {'wall s':>7}")
+    print(f"\n{'change':<38} {'val loss per seed':<14} {'mean':>6} {'delta':>7} {'params':>9} {'tokens':>10} {'s/step':>7}")
     for row in summarise_improvements(runs):
         seeds = " ".join(f"{v:.3f}" for v in row["val_loss"].values())
-        print(f"{row['change']:<28} {seeds:<22} {row['mean_val_loss']:>6.3f} {row['delta_vs_baseline']:>+7.3f} "
-              f"{row['parameters']:>9,} {row['wall_seconds']:>7.0f}")
+        print(f"{row['change']:<38} {seeds:<14} {row['mean_val_loss']:>6.3f} {row['delta_vs_baseline']:>+7.3f} "
+              f"{row['parameters']:>9,} {row['tokens']:>10,} {row['step_seconds']:>7.3f}")
 
 
 if __name__ == "__main__":

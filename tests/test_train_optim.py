@@ -96,3 +96,11 @@ def test_the_cli_has_the_flags(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "decoderlm", "train", "--help"], capture_output=True, text=True,
                                check=True).stdout
     assert "--optimizer {adamw,muon}" in help_text and "--muon-lr" in help_text
+
+
+def test_seed_char_plus_keeps_seed_char_s_budget_and_trains_with_muon(corpus, tmp_path):
+    plus, gpt = (Transformer(ModelConfig.from_preset(name)) for name in ("seed-char-plus", "seed-char"))
+    assert abs(plus.num_parameters() / gpt.num_parameters() - 1) <= 0.05
+    cfg = resolve_new(TrainConfig(data=str(corpus), out=str(tmp_path / "run"), preset="seed-char-plus"))
+    assert (cfg.optimizer, cfg.batch_size, cfg.context, cfg.max_steps) == ("muon", 12, 64, 2000)
+    assert plus.config.qk_norm

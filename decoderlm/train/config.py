@@ -96,7 +96,9 @@ class TrainConfig:
 
 # nanoGPT's CPU recipe for tiny Shakespeare (val loss ≈ 1.88 after 2000 steps).
 CPU_RECIPE = dict(batch_size=12, context=64, lr=1e-3, min_lr=1e-4, warmup=100, weight_decay=0.1, beta2=0.99, dropout=0.0)
-RECIPES: dict[str, dict[str, Any]] = {"seed-char": CPU_RECIPE, "seed-char-llama": CPU_RECIPE, "seed-char-plus": CPU_RECIPE}
+# seed-char-plus: the same recipe, with Muon on the block matrices (AdamW keeps lr 1e-3 for the rest).
+PLUS_RECIPE = CPU_RECIPE | dict(optimizer="muon", muon_lr=0.02)
+RECIPES: dict[str, dict[str, Any]] = {"seed-char": CPU_RECIPE, "seed-char-llama": CPU_RECIPE, "seed-char-plus": PLUS_RECIPE}
 DEFAULT_RECIPE = dict(batch_size=8, context=256, lr=6e-4, min_lr=6e-5, warmup=100, weight_decay=0.1, beta2=0.95, dropout=0.0)
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
