@@ -199,10 +199,16 @@ def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = 
         rows.append({"change": change, "arguments": " ".join(args), "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done},
                      "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"], "tokens": done[0]["tokens"],
                      "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1),
-                     "step_seconds": round(sum(r["step_seconds"] for r in done) / len(done), 4)})
+                     "step_seconds": mean_of([r.get("step_seconds") for r in done])})
     for row in rows:
         row["delta_vs_baseline"] = round(row["mean_val_loss"] - rows[0]["mean_val_loss"], 4)
     return rows
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values measured (None: not measured in this table's conditions)."""
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 4) if known else None
 
 
 def step_seconds(run: Path) -> float:
