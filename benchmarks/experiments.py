@@ -9,6 +9,9 @@
    bits per character so it compares with the char models.
 4. Changes to seed-char-llama within the same budget (steps, tokens, parameters ± 5 %), one at a time.
 5. seed-char with and without scheduled sampling: val loss and the exposure-bias gap (benchmarks/exposure_bias.py).
+6. Improvements: each change of `IMPROVEMENTS` against the same baseline, over two seeds, and the
+   combination that won (the seed-char-plus preset); the table goes under "improvements" in the JSON,
+   the val curves into docs/experiments_improvements.png (`--only-improvements` runs this part alone).
 
 Writes benchmarks/results/experiments.json and docs/experiments_*.png (or both into --out), prints a table.
 
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
@@ -101,8 +104,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (1 is steadiest on a shared machine)")
     p.add_argument("--quick", action="store_true", help="a few steps and one val batch per run: checks the script, not the models")
     p.add_argument("--out", help="folder for the JSON and PNGs (default: benchmarks/results/ and docs/)")
-    p.add_argument("--skip-changes", action="store_true", help="skip experiment 4 (changes to seed-char-llama)")
+    p.add_argument("--skip-changes", action="store_true", help="skip experiments 4 and 5 (changes to seed-char-llama)")
+    p.add_argument("--only-improvements", action="store_true", help="run experiment 5 alone, adding it to an existing JSON")
     args = p.parse_args()
+    if args.only_improvements:
+        return main_improvements(args)
     steps, mask_steps = (4, 4) if args.quick else (args.steps, args.mask_steps)
     results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +146,8 @@ def main() -> None:
     # 5. Scheduled sampling's effect on the exposure-bias gap (benchmarks/exposure_bias.py; its own JSON)
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "exposure_bias.py"), "--data", data, "--steps", str(args.steps),
                     "--threads", str(args.threads), "--out", str(results_dir), *(["--quick"] if args.quick else [])], check=True, cwd=ROOT)
+    if not args.skip_changes:
+        main_improvements(args)
     print(f"\nbpe:2048 val loss {bpe['val_loss']:.3f} nats/token = {bpe['val_bits_per_char']:.3f} bits/char "
           f"(seed-char-llama: {llama['val_bits_per_char']:.3f}, seed-char: {gpt['val_bits_per_char']:.3f})")
     for r in (masked, no_mask):
@@ -157,6 +165,124 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
     (results_dir / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+# --- 5. Improvements: each change against the same baseline, two seeds each ---------------------------------
+
+LLAMA = ("--preset", "seed-char-llama")
+IMPROVEMENTS: list[tuple[str, tuple[str, ...]]] = [  # (change, train arguments); the first is the baseline
+    ("seed-char-llama (baseline)", LLAMA),
+    ("+ qk_norm", (*LLAMA, "--set", "qk_norm=true")),
+    ("+ AdamW lr 2e-3", (*LLAMA, "--lr", "2e-3", "--min-lr", "2e-4")),
+    ("+ Muon lr 0.02", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.02")),
+    ("+ Muon lr 0.04", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.04")),
+    ("seed-char-plus (qk_norm + Muon 0.02)", ("--preset", "seed-char-plus")),
+    # Muon's Newton-Schulz steps cost time on a CPU thread: fewer steps in the baseline's wall-clock time.
+    ("seed-char-plus, 1500 steps", ("--preset", "seed-char-plus", "--max-steps", "1500")),
+]
+SEEDS = (1337, 1338)
+PLUS_TARGET = 1.60  # issue 11: how far the same budget should go
+
+
+def run_improvements(run: Callable[..., dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    """Every change of IMPROVEMENTS once per seed, each a full run named 'CHANGE sSEED'."""
+    return [run(f"{change} s{seed}", *args, "--seed", str(seed)) for change, args in IMPROVEMENTS for seed in seeds]
+
+
+def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    """One row per change: val loss per seed, their mean, the mean's difference from the baseline's,
+    parameters, tokens, mean wall time and seconds per training step (evaluations excluded; both depend
+    on the machine's load, so compare runs made side by side)."""
+    by_name = {r["name"]: r for r in runs}
+    rows = []
+    for change, args in IMPROVEMENTS:
+        done = [by_name[f"{change} s{seed}"] for seed in seeds if f"{change} s{seed}" in by_name]
+        if not done:
+            continue
+        mean = sum(r["val_loss"] for r in done) / len(done)
+        rows.append({"change": change, "arguments": " ".join(args), "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done},
+                     "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"], "tokens": done[0]["tokens"],
+                     "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1),
+                     "step_seconds": mean_of([r.get("step_seconds") for r in done])})
+    for row in rows:
+        row["delta_vs_baseline"] = round(row["mean_val_loss"] - rows[0]["mean_val_loss"], 4)
+    return rows
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    """The mean of the values measured (None: not measured in this table's conditions)."""
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 4) if known else None
+
+
+def step_seconds(run: Path) -> float:
+    """Median seconds per optimizer step over the run's logged windows (evaluations excluded)."""
+    import statistics
+
+    history = json.loads((run / "log.json").read_text())
+    return statistics.median(r["tokens_seen"] / r["step"] / r["tokens_per_s"] for r in history)  # tokens per step / tokens per s
+
+
+def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEEDS[0]) -> None:
+    """Val curves of every change at one seed, on one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for change, _ in IMPROVEMENTS:
+        run = next((r for r in runs if r["name"] == f"{change} s{seed}"), None)
+        if run is None:
+            continue
+        val = [c for c in run["curve"] if c[2] is not None and c[0] >= 500]  # the first evaluations dwarf the rest
+        ax.plot([c[0] for c in val], [c[2] for c in val], "o-", ms=3, lw=1, label=f"{change} ({run['val_loss']:.3f})")
+    ax.set(xlabel="step", ylabel="val cross-entropy (nats/char)", title=f"seed-char-llama changes, same budget (seed {seed})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def save_improvements(runs: list[dict[str, Any]], results_dir: Path, docs_dir: Path) -> list[dict[str, Any]]:
+    """Add the improvements table (and its runs' curves) to experiments.json, keeping what else it holds."""
+    path = results_dir / "experiments.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    rows = summarise_improvements(runs)
+    plus = next((r for r in rows if r["change"].startswith("seed-char-plus")), None)
+    result["improvements"] = {"seeds": list(SEEDS), "target_val_loss": PLUS_TARGET, "table": rows,
+                              "plus_meets_target": None if plus is None else plus["mean_val_loss"] <= PLUS_TARGET,
+                              "runs": [{k: r[k] for k in ("name", "command", "parameters", "tokens", "val_loss", "wall_seconds", "step_seconds", "curve")}
+                              for r in runs]}
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot_improvements(runs, docs_dir / "experiments_improvements.png")
+    return rows
+
+
+def main_improvements(args: argparse.Namespace) -> None:
+    steps = 4 if args.quick else args.steps
+    results_dir, docs_dir = (Path(args.out),) * 2 if args.out else (ROOT / "benchmarks" / "results", ROOT / "docs")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name: str, *extra: str) -> dict[str, Any]:
+            if args.quick and "--max-steps" in extra:  # --quick checks the script: every run takes its few steps
+                i = extra.index("--max-steps")
+                extra = extra[:i] + extra[i + 2:]
+            r = train(name, Path(tmp), str(Path(args.data).resolve()), steps, args.threads, args.quick, *extra)
+            r["step_seconds"] = step_seconds(Path(tmp) / name)
+            runs.append(r)
+            save_improvements(runs, results_dir, docs_dir)  # kept even if the rest is cut short
+            return r
+
+        run_improvements(run)
+    print(f"\n{'change':<38} {'val loss per seed':<14} {'mean':>6} {'delta':>7} {'params':>9} {'tokens':>10} {'s/step':>7}")
+    for row in summarise_improvements(runs):
+        seeds = " ".join(f"{v:.3f}" for v in row["val_loss"].values())
+        print(f"{row['change']:<38} {seeds:<14} {row['mean_val_loss']:>6.3f} {row['delta_vs_baseline']:>+7.3f} "
+              f"{row['parameters']:>9,} {row['tokens']:>10,} {row['step_seconds']:>7.3f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from decoderlm.errors import DecoderLMError
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
 PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")
 TRAIN_SEED = 1337  # every training command (train, sft, dpo) is reproducible by default, as nanoGPT's is
 
 
@@ -62,7 +63,11 @@ class TrainConfig:
                                      "batch_size x grad_accum x processes", FIXED)
     grad_accum: int | None = setting("micro-batches whose gradients are summed before each optimizer step", FIXED, 1)
     context: int | None = setting("tokens per window; also the model's max_seq_len", FIXED)
-    lr: float | None = setting("peak learning rate, reached after warmup", FIXED)
+    optimizer: str | None = setting("adamw, or muon: Muon for the matrices inside the blocks, AdamW for embeddings, "
+                                    "head, norms and biases", FIXED, "adamw", OPTIMIZERS)
+    lr: float | None = setting("peak learning rate, reached after warmup (AdamW's)", FIXED)
+    muon_lr: float | None = setting("Muon's peak learning rate (--optimizer muon); the schedule scales it as it scales --lr",
+                                    FIXED, 0.02)
     min_lr: float | None = setting("learning rate at the end of the cosine decay", FIXED)
     warmup: int | None = setting("steps of linear warmup", FIXED)
     weight_decay: float | None = setting("AdamW weight decay on matrices (not biases, norms or embeddings)", FIXED)
@@ -91,7 +96,9 @@ class TrainConfig:
 
 # nanoGPT's CPU recipe for tiny Shakespeare (val loss ≈ 1.88 after 2000 steps).
 CPU_RECIPE = dict(batch_size=12, context=64, lr=1e-3, min_lr=1e-4, warmup=100, weight_decay=0.1, beta2=0.99, dropout=0.0)
-RECIPES: dict[str, dict[str, Any]] = {"seed-char": CPU_RECIPE, "seed-char-llama": CPU_RECIPE}
+# seed-char-plus: the same recipe, with Muon on the block matrices (AdamW keeps lr 1e-3 for the rest).
+PLUS_RECIPE = CPU_RECIPE | dict(optimizer="muon", muon_lr=0.02)
+RECIPES: dict[str, dict[str, Any]] = {"seed-char": CPU_RECIPE, "seed-char-llama": CPU_RECIPE, "seed-char-plus": PLUS_RECIPE}
 DEFAULT_RECIPE = dict(batch_size=8, context=256, lr=6e-4, min_lr=6e-5, warmup=100, weight_decay=0.1, beta2=0.95, dropout=0.0)
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
@@ -197,6 +204,7 @@ RULES: list[tuple[str, str, Callable[[Any], bool]]] = [
     ("context", "a positive integer", _int_at_least(1)),
     ("lr", "a positive number", lambda v: _finite(v) and v > 0),
     ("min_lr", "a number >= 0", lambda v: _finite(v) and v >= 0),
+    ("muon_lr", "a positive number", lambda v: _finite(v) and v > 0),
     ("warmup", "an integer >= 0", _int_at_least(0)),
     ("weight_decay", "a number >= 0", lambda v: _finite(v) and v >= 0),
     ("beta1", "in [0, 1)", lambda v: _finite(v) and 0 <= v < 1),
@@ -226,6 +234,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise DecoderLMError(f"{flag(name)} must be {requirement}, got {value}")
     if cfg.min_lr > cfg.lr:
         raise DecoderLMError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}; the schedule decays from lr down to min_lr")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise DecoderLMError(f"--optimizer {cfg.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer == "muon" and cfg.fsdp:
+        raise DecoderLMError("--optimizer muon needs each matrix whole, and --fsdp shards them; drop one of the two")
     if cfg.precision not in PRECISIONS:
         raise DecoderLMError(f"--precision {cfg.precision!r} is not supported; use one of {', '.join(PRECISIONS)}")
     parse_sets(cfg.set)

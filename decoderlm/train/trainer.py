@@ -1,5 +1,5 @@
-"""The training loop: AdamW, warmup + cosine schedule, gradient accumulation, clipping, periodic eval
-and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
+"""The training loop: AdamW or Muon (decoderlm.train.optim), warmup + cosine schedule, gradient accumulation,
+clipping, periodic eval and checkpoints; one process or many under torchrun (DDP, or FSDP2 with --fsdp).
 
 What a batch is and how its loss is computed is an `Objective` (decoderlm.train.objective) passed to
 `fit`: `LMObjective` (random windows, next-token loss) for pretraining; fine-tuning passes its own
@@ -46,6 +46,7 @@ from decoderlm.train.data import (
 )
 from decoderlm.train.distributed import World
 from decoderlm.train.objective import LMObjective, Objective
+from decoderlm.train.optim import make_optimizer
 from decoderlm.train.schedule import lr_at
 
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
@@ -54,20 +55,6 @@ RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 RUN_FILES = {checkpoint.CKPT_NAME, checkpoint.BEST_NAME, "train.bin", "val.bin", "log.csv", "log.json", "loss.png", "run.json"}
 RUN_FILES |= {name + ".tmp" for name in RUN_FILES} | {checkpoint.SHARDED_NAME}
 Tokenizer = CharTokenizer | HFTokenizer
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """Weight decay on the matrices of linear layers only: biases, norm weights and embeddings (token and
-    position tables, and a head tied to them) are not decayed. Fused on CUDA, foreach elsewhere."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if all(p is not q for q in decay)], "weight_decay": 0.0},
-    ]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fast)
 
 
 def autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
