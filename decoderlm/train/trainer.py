@@ -15,6 +15,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from decoderlm.train.distributed import World
 from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.schedule import lr_at
 
+COMPILE_CACHE = Path.home() / ".cache" / "decoderlm" / "inductor"
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 # What a run writes into its folder; a new run may start over these (a run killed before its first
 # checkpoint), never over anything else.
@@ -58,7 +60,8 @@ Tokenizer = CharTokenizer | HFTokenizer
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """Weight decay on the matrices of linear layers only: biases, norm weights and embeddings (token and
-    position tables, and a head tied to them) are not decayed. Fused on CUDA, foreach elsewhere."""
+    position tables, and a head tied to them) are not decayed. Fused (one kernel for every parameter) on
+    CUDA and CPU, foreach elsewhere."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
@@ -66,7 +69,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if all(p is not q for q in decay)], "weight_decay": 0.0},
     ]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    fast = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fast)
 
 
@@ -183,7 +186,12 @@ def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.devic
         # No buffer broadcast: the only buffer (RoPE's frequencies) is computed alike on every process.
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                   forward_sync_buffers=False)
-    return torch.compile(net) if cfg.compile else net
+    if not cfg.compile:
+        return net
+    # Inductor's FX-graph and AOTAutograd caches live here, so only a machine's first compiled run pays
+    # for code generation; later runs load the compiled step (TORCHINDUCTOR_CACHE_DIR still overrides).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
+    return torch.compile(net)
 
 
 def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, state: dict[str, Any], tokenizer: Tokenizer,
@@ -258,7 +266,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
                 (loss / len(micro)).backward()
             loss_sum, count = loss_sum + loss.item(), count + n
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=not sharded or None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum, count = distributed.all_sum([loss_sum / len(micro), count], world)
@@ -275,8 +283,9 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
             row = {"step": step, "train_loss": window_loss / window_steps, "val_loss": None, "lr": lr, "tokens_seen": tokens_seen,
                    "tokens_per_s": tok_s, "mfu": None if peak is None else flops * tok_s / (peak * world.size)}
             if evaluating:
-                row["val_loss"] = evaluate(net, objective, cfg, device, world)
-                row |= objective_metrics(net, objective, cfg, device)
+                # The model itself, not `net`: a compiled net would compile again for eval mode and each val batch size.
+                row["val_loss"] = evaluate(model, objective, cfg, device, world)
+                row |= objective_metrics(model, objective, cfg, device)
             history.append(row)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
             window_loss, window_steps, window_tokens = 0.0, 0, 0
