@@ -1,6 +1,11 @@
 """The fast training step (benchmarks/train_vs_nanogpt.py): bf16 autocast with fp32 attention on the CPU,
 fused AdamW, and a compiled step whose artifacts are cached on disk — each faithful to the plain fp32 step."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,9 +13,10 @@ import torch.nn.functional as F
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer, attention
 from decoderlm.model.transformer import lm_loss
-from decoderlm.train import TrainConfig, checkpoint, train, trainer
+from decoderlm.train import TrainConfig, checkpoint, train
 from decoderlm.train.trainer import make_optimizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"batch_size": 4, "context": 16, "eval_interval": 4, "log_interval": 1, "eval_batches": 1, "sample_chars": 0,
          "max_steps": 4, "set": ["n_layers=1", "d_model=32", "n_heads=2", "n_kv_heads=2"]}
 
@@ -70,13 +76,15 @@ def test_fused_adamw_on_cpu_takes_the_same_steps_as_the_foreach_one():
 
 
 @pytest.mark.slow
-def test_compiled_bf16_run_trains_like_the_eager_fp32_run_and_caches_its_compiled_step(corpus, tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(trainer, "COMPILE_CACHE", tmp_path / "cache")
+def test_compiled_bf16_run_trains_like_the_eager_fp32_run_and_caches_its_compiled_step(corpus, tmp_path):
     train(TrainConfig(data=str(corpus), out=str(tmp_path / "eager"), **SMALL))
-    train(TrainConfig(data=str(corpus), out=str(tmp_path / "fast"), precision="bf16", compile=True, **SMALL))
+    # The compiled run as a user starts it: a fresh process, HOME pointing at a new folder, no cache variable set.
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items() if k != "set"] + [f"--set={s}" for s in SMALL["set"]]
+    subprocess.run([sys.executable, "-m", "decoderlm", "train", "--data", str(corpus), "--out", str(tmp_path / "fast"), *options,
+                    "--precision", "bf16", "--compile"], env=env, cwd=ROOT, check=True, capture_output=True)
     eager, fast = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "fast"))
     for a, b in zip(eager, fast, strict=True):  # the same batches: only bf16 rounding and kernel order differ
         assert abs(a["train_loss"] - b["train_loss"]) < 2e-2
     assert abs(eager[-1]["val_loss"] - fast[-1]["val_loss"]) < 2e-2
-    assert any((tmp_path / "cache").rglob("*"))  # inductor's FX-graph / AOTAutograd artifacts, for the next run
+    assert any((tmp_path / ".cache" / "decoderlm" / "inductor").rglob("*.so"))  # compiled kernels, for the next run
