@@ -7,6 +7,7 @@ are masked so a token sees only itself and earlier tokens (and, with a sliding w
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,9 +100,16 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, L, D): every token so far
-        # No mask at all means plain causal attention over a fresh sequence (or none, with causal=False).
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=self.causal and mask is None and T > 1,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # (B, H, T, D)
+        # Under CPU bf16 autocast (training with --precision bf16) attention runs in fp32: the CPU's bf16
+        # flash-attention backward is ~7x slower than fp32's at small head sizes, while the projections
+        # around it keep bf16's speed. Without autocast, or on a GPU, nothing changes.
+        upcast = q.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
+            if upcast:
+                q, k, v = q.float(), k.float(), v.float()
+            # No mask at all means plain causal attention over a fresh sequence (or none, with causal=False).
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=self.causal and mask is None and T > 1,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
+            )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -88,7 +88,8 @@ class TrainConfig:
     log_interval: int | None = setting("log the train loss every this many steps", RUN, 10)
     device: str | None = setting("where to train", SESSION, "cpu", DEVICES)
     threads: int | None = setting("CPU threads for torch (default: torch's choice)", SESSION)
-    compile: bool = switch("torch.compile the model (faster steps after a slow first one)")
+    compile: bool = switch("torch.compile the model (faster steps; the compiled code is cached in "
+                           "~/.cache/decoderlm/inductor, so only a machine's first run waits for it)")
     peak_flops: float | None = setting("peak FLOP/s of one device, for the MFU column (default: known for some GPUs in bf16)", SESSION)
     dist_timeout: int | None = setting("seconds a process waits for the others (torchrun) before failing", SESSION, 300)
     sample_chars: int | None = setting("length of the sample printed at the end", SESSION, 300)

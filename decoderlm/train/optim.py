@@ -32,7 +32,8 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
 
 def adamw_for(model: nn.Module, cfg: TrainConfig, device: torch.device, exclude: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices of linear layers only: biases, norm weights and embeddings
-    (token and position tables, and a head tied to them) are not decayed. Fused on CUDA, foreach elsewhere.
+    (token and position tables, and a head tied to them) are not decayed. Fused (one kernel for every
+    parameter) on CUDA and CPU, foreach elsewhere.
     `exclude`: parameters another optimizer trains."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     skip = {id(p) for p in exclude or []}
@@ -43,7 +44,7 @@ def adamw_for(model: nn.Module, cfg: TrainConfig, device: torch.device, exclude:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if id(p) not in decay_ids], "weight_decay": 0.0},
     ]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    fast = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fast)
 
 

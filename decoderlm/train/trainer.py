@@ -15,6 +15,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.optim import make_optimizer
 from decoderlm.train.schedule import lr_at
 
+COMPILE_CACHE = Path.home() / ".cache" / "decoderlm" / "inductor"
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 # What a run writes into its folder; a new run may start over these (a run killed before its first
 # checkpoint), never over anything else.
@@ -170,7 +172,12 @@ def wrap(model: Transformer, cfg: TrainConfig, world: World, device: torch.devic
         # No buffer broadcast: the only buffer (RoPE's frequencies) is computed alike on every process.
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                   forward_sync_buffers=False)
-    return torch.compile(net) if cfg.compile else net
+    if not cfg.compile:
+        return net
+    # Inductor's FX-graph and AOTAutograd caches live here, so only a machine's first compiled run pays
+    # for code generation; later runs load the compiled step (TORCHINDUCTOR_CACHE_DIR still overrides).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
+    return torch.compile(net)
 
 
 def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, state: dict[str, Any], tokenizer: Tokenizer,
@@ -248,7 +255,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
                 (loss / len(micro)).backward()
             loss_sum, count = loss_sum + loss.item(), count + n
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=not sharded or None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum, count = distributed.all_sum([loss_sum / len(micro), count], world)
@@ -265,8 +272,9 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
             row = {"step": step, "train_loss": window_loss / window_steps, "val_loss": None, "lr": lr, "tokens_seen": tokens_seen,
                    "tokens_per_s": tok_s, "mfu": None if peak is None else flops * tok_s / (peak * world.size)}
             if evaluating:
-                row["val_loss"] = evaluate(net, objective, cfg, device, world)
-                row |= objective_metrics(net, objective, cfg, device)
+                # The model itself, not `net`: a compiled net would compile again for eval mode and each val batch size.
+                row["val_loss"] = evaluate(model, objective, cfg, device, world)
+                row |= objective_metrics(model, objective, cfg, device)
             history.append(row)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
             window_loss, window_steps, window_tokens = 0.0, 0, 0

@@ -1,0 +1,90 @@
+"""The fast training step (benchmarks/train_vs_nanogpt.py): bf16 autocast with fp32 attention on the CPU,
+fused AdamW, and a compiled step whose artifacts are cached on disk — each faithful to the plain fp32 step."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoderlm.config import ModelConfig
+from decoderlm.model import Transformer, attention
+from decoderlm.model.transformer import lm_loss
+from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.train.trainer import make_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"batch_size": 4, "context": 16, "eval_interval": 4, "log_interval": 1, "eval_batches": 1, "sample_chars": 0,
+         "max_steps": 4, "set": ["n_layers=1", "d_model=32", "n_heads=2", "n_kv_heads=2"]}
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig.from_dict(ModelConfig.from_preset("seed-char").to_dict()
+                                             | {"n_layers": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "max_seq_len": 16}))
+
+
+def test_under_cpu_bf16_autocast_attention_gets_fp32_and_the_projections_bf16(monkeypatch):
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model, ids = tiny_model(), torch.randint(0, 65, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16  # the head ran in bf16: autocast is still on around attention
+    assert seen == [(torch.float32,) * 3 + (False,)] * 2
+    seen.clear()
+    model(ids)  # without autocast nothing changes
+    assert seen == [(torch.float32,) * 3 + (False,)] * 2
+
+
+def test_bf16_step_loss_and_gradients_match_fp32_within_bf16_rounding():
+    model, ids = tiny_model(), torch.randint(0, 65, (4, 16))
+    x, y = ids[:, :-1], ids[:, 1:]
+    fp32 = lm_loss(model(x).logits, y)
+    (g32,) = torch.autograd.grad(fp32, model.layers[0].mlp.up_proj.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = lm_loss(model(x).logits, y)
+    (g16,) = torch.autograd.grad(bf16, model.layers[0].mlp.up_proj.weight)
+    assert abs(bf16.item() - fp32.item()) < 5e-3  # bf16 keeps 8 bits of mantissa: ~0.4 % per rounding
+    assert (g16 - g32).norm() / g32.norm() < 0.05
+
+
+def test_fused_adamw_on_cpu_takes_the_same_steps_as_the_foreach_one():
+    cfg = TrainConfig(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    fused_model, loop_model = tiny_model(), tiny_model()
+    fused = make_optimizer(fused_model, cfg, torch.device("cpu"))
+    assert fused.defaults["fused"]
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in make_optimizer(loop_model, cfg, torch.device("cpu")).param_groups]
+    loop = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99), foreach=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the same gradients for both, so only the optimizers' arithmetic can differ
+        for a, b in zip(fused_model.parameters(), loop_model.parameters(), strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for (name, a), b in zip(fused_model.named_parameters(), loop_model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_compiled_bf16_run_trains_like_the_eager_fp32_run_and_caches_its_compiled_step(corpus, tmp_path):
+    train(TrainConfig(data=str(corpus), out=str(tmp_path / "eager"), **SMALL))
+    # The compiled run as a user starts it: a fresh process, HOME pointing at a new folder, no cache variable set.
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items() if k != "set"] + [f"--set={s}" for s in SMALL["set"]]
+    subprocess.run([sys.executable, "-m", "decoderlm", "train", "--data", str(corpus), "--out", str(tmp_path / "fast"), *options,
+                    "--precision", "bf16", "--compile"], env=env, cwd=ROOT, check=True, capture_output=True)
+    eager, fast = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "fast"))
+    for a, b in zip(eager, fast, strict=True):  # the same batches: only bf16 rounding and kernel order differ
+        assert abs(a["train_loss"] - b["train_loss"]) < 2e-2
+    assert abs(eager[-1]["val_loss"] - fast[-1]["val_loss"]) < 2e-2
+    assert any((tmp_path / ".cache" / "decoderlm" / "inductor").rglob("*.so"))  # compiled kernels, for the next run
