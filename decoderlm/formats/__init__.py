@@ -7,6 +7,7 @@ mapping the checkpoint's tensor names (with an optional transform) to ours.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
@@ -22,3 +23,50 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope()  # a computed buffer: the meta build held no values
     return model
+
+
+class TensorByTensor:
+    """A model built on the meta device and given its weights one tensor at a time, each becoming its
+    parameter (in `dtype` on `device`) or, with `quantize`, its quantized layer straight away: the
+    model never exists whole in full precision, so loading peaks near the size of what it keeps.
+    Weights may be float tensors or `decoderlm.quantize.Blocks` (a GGUF file's own blocks)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quantize: str | None = None) -> None:
+        from decoderlm.quantize import check_mode, targets
+
+        with torch.device("meta"):
+            self.model = Transformer(config)
+        self.dtype, self.device, self.quantize = dtype, torch.device(device), quantize
+        if quantize is not None:
+            check_mode(quantize)
+        self.linears = targets(self.model) if quantize else set()
+        self.shapes = {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
+        self.loaded: set[str] = set()
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Place the weight `name` (one of self.shapes, with that shape)."""
+        from decoderlm.quantize import Int8Embedding, dequantize, layer_mode, quantized_linear, set_module
+
+        owner, _, param = name.rpartition(".")
+        module = self.model.get_submodule(owner)
+        if self.quantize and owner in self.linears and param == "weight":
+            bias = module.bias if f"{owner}.bias" in self.loaded else None
+            set_module(self.model, owner, quantized_linear(value, layer_mode(owner, self.quantize), bias).to(self.device))
+        elif self.quantize and name == "embed_tokens.weight":
+            self.model.embed_tokens = Int8Embedding(value, self.dtype).to(self.device)
+            if self.model.config.tie_embeddings:
+                set_module(self.model, "lm_head", quantized_linear(value, layer_mode("lm_head", self.quantize)).to(self.device))
+                self.loaded.add("lm_head.weight")
+        else:
+            setattr(module, param, nn.Parameter(dequantize(value).to(self.device, self.dtype)))
+        self.loaded.add(name)
+
+    def finish(self) -> tuple[Transformer, list[str]]:
+        """(the model in eval mode, names of the weights never given)."""
+        if self.model.config.tie_embeddings and not self.quantize:
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+            self.loaded.add("lm_head.weight")
+        missing = sorted(n for n in self.shapes if n not in self.loaded)
+        if not missing:
+            self.model.init_rope()
+        return self.model.eval(), missing
