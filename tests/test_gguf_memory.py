@@ -22,7 +22,7 @@ MB = 2**20
 
 PROBE = """
 import json, resource, sys, torch
-import decoderlm.loader
+import decoderlm.formats.gguf, decoderlm.loader  # the baseline: interpreter, torch and decoderlm's code
 path, mode = sys.argv[1], sys.argv[2]
 if mode != "none":
     model, _ = decoderlm.loader.load(path, quantize=None if mode == "float32" else mode)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._device import DeviceContext
 
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
@@ -16,13 +17,30 @@ from decoderlm.model import Transformer
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
     """A model whose parameters are allocated once, in `dtype` on `device`, with no values yet: built on
     the meta device, so no time goes to a random init (or a CPU copy) that the weights overwrite."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = meta_model(config).to(dtype).to_empty(device=device)
     if config.tie_embeddings:  # to_empty gives each module its own storage
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope()  # a computed buffer: the meta build held no values
     return model
+
+
+class _OnMeta(DeviceContext):
+    """Builds on the meta device, skipping random init (nothing to initialize) and leaving arange
+    (RoPE's small table, recomputed after loading) on the CPU: the meta kernels of normal_ and arange
+    import torch._dynamo and sympy, ~75 MB that a loader has no use for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            return args[0] if args else (kwargs or {})["tensor"]
+        if func is torch.arange:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def meta_model(config: ModelConfig) -> Transformer:
+    """The model's modules with shapes but no storage (and no values)."""
+    with _OnMeta("meta"):
+        return Transformer(config)
 
 
 class TensorByTensor:
@@ -34,8 +52,7 @@ class TensorByTensor:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quantize: str | None = None) -> None:
         from decoderlm.quantize import check_mode, targets
 
-        with torch.device("meta"):
-            self.model = Transformer(config)
+        self.model = meta_model(config)
         self.dtype, self.device, self.quantize = dtype, torch.device(device), quantize
         if quantize is not None:
             check_mode(quantize)
