@@ -1,4 +1,4 @@
-"""Weight-only quantization for fast CPU decoding: int8 per output row, int4 per group of 32 inputs.
+"""Weight-only quantization for fast CPU decoding: int8 and int4, with a scale per group of 32 inputs.
 
 Decoding one token reads every weight once and does two flops with it, so its speed is the memory
 bandwidth divided by the bytes of the weights: int8 reads 4x fewer bytes than fp32, int4 8x. The
@@ -10,9 +10,10 @@ are 20-30x slower in torch 2.13), so activations, scales and outputs of a quanti
 Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
 call instead: slower, the same numbers up to bf16 rounding.
 
-Weights that a GGUF file already stores as Q4_0 / Q4_1 blocks become int4 layers holding exactly
-those blocks (`Blocks`, `Int4Linear.from_blocks`); Q8_0 keeps its values in the embedding and is
-re-quantized per row for the int8 kernel.
+int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
+4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
+layout cannot take. Weights a GGUF file already stores as Q4_0 / Q4_1 / Q8_0 blocks (`Blocks`) are
+used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes.
 """
 
 from __future__ import annotations
@@ -248,20 +249,19 @@ def int4_fits(shape: tuple[int, ...]) -> bool:
 
 
 def quantized_linear(w: Weight, mode: str, bias: nn.Parameter | None = None) -> nn.Module:
-    """The layer `mode` makes of weight w (out, in): a file's blocks as they are where the layout
-    takes them (Q8_0 in any mode, Q4 in int4 mode and for the head); float weights on their own
-    4-bit grid for int4, on Q8_0's for "q8" (the LM head); otherwise, and for shapes the int4 layout
-    cannot take, int8 per row."""
-    if int4_fits(tuple(w.shape)):
-        if isinstance(w, Blocks) and w.bits == 8:
-            return Int8GroupLinear(w, bias)
-        if isinstance(w, Blocks) and mode in ("int4", "q8"):
-            return Int4Linear.from_blocks(w, bias)
-        if mode == "q8":
-            return Int8GroupLinear(q8_blocks(w), bias)
-        if mode == "int4":
-            return Int4Linear.from_weight(w, bias)
-    return Int8Linear.from_weight(w, bias)
+    """The layer `mode` makes of weight w (out, in). int4: a file's Q4 blocks as they are, float
+    weights on their own 4-bit grid. int8 and "q8" (the LM head in both modes): a file's Q8_0 blocks
+    as they are, anything else rounded to Q8_0's grid (8 bits, a scale per 32 inputs: finer than one
+    per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row."""
+    if not int4_fits(tuple(w.shape)):
+        return Int8Linear.from_weight(w, bias)
+    if isinstance(w, Blocks) and w.bits == 8:
+        return Int8GroupLinear(w, bias)
+    if isinstance(w, Blocks) and mode in ("int4", "q8"):
+        return Int4Linear.from_blocks(w, bias)
+    if mode == "int4":
+        return Int4Linear.from_weight(w, bias)
+    return Int8GroupLinear(q8_blocks(w), bias)
 
 
 def layer_mode(name: str, mode: str) -> str:
