@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._device import DeviceContext
+from torch.overrides import TorchFunctionMode
 
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
@@ -24,22 +24,26 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return model
 
 
-class _OnMeta(DeviceContext):
-    """Builds on the meta device, skipping random init (nothing to initialize) and leaving arange
-    (RoPE's small table, recomputed after loading) on the CPU: the meta kernels of normal_ and arange
-    import torch._dynamo and sympy, ~75 MB that a loader has no use for."""
+class _OnMeta(TorchFunctionMode):
+    """Modules built inside get their parameters on the meta device, without random init (nothing
+    to initialize). Only the constructors of parameters are redirected: `with torch.device("meta")`
+    would move everything, and the meta kernels of normal_ and arange import torch._dynamo and
+    sympy, ~75 MB a loader has no use for. Small computed tables (RoPE's) stay on the CPU."""
+
+    FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in (torch.nn.init.normal_, torch.Tensor.normal_):
-            return args[0] if args else (kwargs or {})["tensor"]
-        if func is torch.arange:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
+            return args[0] if args else kwargs["tensor"]
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
 
 
 def meta_model(config: ModelConfig) -> Transformer:
     """The model's modules with shapes but no storage (and no values)."""
-    with _OnMeta("meta"):
+    with _OnMeta():
         return Transformer(config)
 
 
