@@ -161,20 +161,18 @@ class Int4Linear(nn.Module):
         N, K = w.shape
         groups = w.detach().float().reshape(N, K // GROUP, GROUP)
         lo, hi = groups.amin(-1), groups.amax(-1)  # (N, K/GROUP)
-        best = None
+        best_err = q = scale = low = None
         for shrink in (1.0, 0.95, 0.9, 0.85, 0.8):
             mid, half = (hi + lo) / 2, (hi - lo) / 2 * shrink
-            scale = (2 * half / 15).clamp(min=1e-12)
-            low = mid - half
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-            err = (q * scale[..., None] + low[..., None] - groups).square().sum(-1)  # (N, K/GROUP)
-            if best is None:
-                best = [err, q, scale, low]
-            else:
-                better = err < best[0]
-                best = [torch.where(better[..., None] if t.dim() == 3 else better, new, old)
-                        for t, new, old in zip(best, (err, q, scale, low), best)]
-        _, q, scale, low = best
+            s, z = (2 * half / 15).clamp(min=1e-12), mid - half
+            qs = torch.round((groups - z[..., None]) / s[..., None]).clamp(0, 15)
+            err = (qs * s[..., None] + z[..., None] - groups).square().sum(-1)  # (N, K/GROUP)
+            if best_err is None:
+                best_err, q, scale, low = err, qs, s, z
+                continue
+            better = err < best_err
+            best_err, scale, low = torch.where(better, err, best_err), torch.where(better, s, scale), torch.where(better, z, low)
+            q = torch.where(better[..., None], qs, q)
         return cls(q.reshape(N, K), scale, low + 8 * scale, bias)  # the kernel's (q - 8)·scale + zero is low + q·scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
