@@ -52,6 +52,11 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
 
         if quantize not in MODES:
             raise DecoderLMError(f"quantize {quantize!r} is not supported; use one of {', '.join(MODES)}")
+        path = resolve_source(source)
+        if path.is_file() and path.suffix == ".gguf":  # quantized tensor by tensor as it loads
+            from decoderlm.formats.gguf import load_gguf
+
+            return load_gguf(path, torch_dtype, torch_device, quantize)
     model, tokenizer = _load(source, torch_dtype, torch_device)
     if quantize is not None:
         from decoderlm.quantize import quantize as quantize_weights

@@ -1,15 +1,25 @@
-"""Weight-only quantization for fast CPU decoding: int8 per output row, int4 per group of 32 inputs.
+"""Weight-only quantization for fast CPU decoding: int8 and int4, with a scale per group of 32 inputs.
 
 Decoding one token reads every weight once and does two flops with it, so its speed is the memory
-bandwidth divided by the bytes of the weights: int8 reads 4x fewer bytes than fp32, int4 8x. Only
-the Linear weights are quantized (the MoE router, being tiny and decisive, is kept); embeddings,
-norms, attention and the KV cache keep the model's dtype. PyTorch's CPU kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) multiply bf16 activations by the packed
-weights directly; where a kernel is missing (another device, an older torch) a layer dequantizes
-its weight for each call instead: slower, the same numbers up to bf16 rounding.
+bandwidth divided by the bytes of the weights: int8 reads 4x fewer bytes than fp32, int4 8x. The
+Linear weights are quantized (the MoE router, being tiny and decisive, is kept) and the token
+embedding is stored as int8 rows with one scale per 32 values; norms, attention and the KV cache keep
+the model's dtype. PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+multiply activations by the packed weights directly, and only in bf16 (their fp16 and fp32 paths
+are 20-30x slower in torch 2.13), so activations, scales and outputs of a quantized matmul are bf16.
+Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
+call instead: slower, the same numbers up to bf16 rounding.
+
+int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
+4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
+layout cannot take. Weights a GGUF file already stores as Q4_0 / Q4_1 / Q8_0 blocks (`Blocks`) are
+used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +29,9 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.moe import MoE
 
 MODES = ("int8", "int4")
-GROUP = 32  # int4: one scale and zero point per 32 inputs, like llama.cpp's Q4 blocks
-COMPUTE = torch.bfloat16  # the kernels' activation dtype (their fp32 paths are ~10x slower)
+GROUP = 32  # int4 and the int8 embedding: one scale (and zero point) per 32 inputs, like llama.cpp's blocks
+COMPUTE = torch.bfloat16  # the kernels' activation dtype (the only one they are fast in)
+CHUNK_ROWS = 4096  # rows converted at a time, so a large matrix never exists whole in fp32
 
 
 def kernel(name: str, device: torch.device) -> bool:
@@ -28,17 +39,81 @@ def kernel(name: str, device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, name)
 
 
+@dataclass
+class Blocks:
+    """A weight kept as a GGUF file stores it: each run of 32 inputs of a row shares a scale d and an
+    offset m, w = q·d + m (Q4_1 as is; Q4_0 has m = -8d; Q8_0 has signed q and no m). Every field has
+    the rows first, so row transforms (split, permute, one expert of a stack) apply to each alike."""
+
+    q: torch.Tensor  # (..., N, K) uint8 0..15 (Q4) or int8 (Q8_0)
+    d: torch.Tensor  # (..., N, K/32) fp32 (exact: the file's fp16)
+    m: torch.Tensor | None  # (..., N, K/32) fp32, or None (symmetric)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.m is None else 4
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Blocks:
+        return Blocks(fn(self.q), fn(self.d), None if self.m is None else fn(self.m))
+
+    def split(self, sizes: list[int]) -> list[Blocks]:
+        parts = [t.split(sizes) if t is not None else [None] * len(sizes) for t in (self.q, self.d, self.m)]
+        return [Blocks(*fields) for fields in zip(*parts)]
+
+    def unbind(self, dim: int = 0) -> list[Blocks]:
+        return [self.map(lambda t, i=i: t.select(dim, i)) for i in range(self.q.shape[dim])]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight (..., N, K) these blocks stand for."""
+        *lead, K = self.q.shape
+        w = self.q.float().view(*lead, K // GROUP, GROUP) * self.d[..., None]
+        if self.m is not None:
+            w += self.m[..., None]
+        return w.view(*lead, K)
+
+
+Weight = torch.Tensor | Blocks
+
+
+def dequantize(w: Weight) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, Blocks) else w.float()
+
+
+def row_chunks(w: Weight) -> Iterator[torch.Tensor]:
+    """The fp32 rows of w, CHUNK_ROWS at a time: converting a large weight (a 128k-token embedding)
+    then needs fp32 temporaries for one chunk only."""
+    for i in range(0, w.shape[0], CHUNK_ROWS):
+        yield dequantize(w.map(lambda t: t[i : i + CHUNK_ROWS]) if isinstance(w, Blocks) else w[i : i + CHUNK_ROWS])
+
+
+def row_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (N, K), scale bf16 (N,)) for fp32 rows (N, K), scale = absmax/127 per row, rounded to
+    bf16 first so that q is computed against the scale the kernel uses. (Clipping the largest values
+    where that lowers a row's squared error made SmolLM2's perplexity worse, not better.)"""
+    scale = (rows.abs().amax(dim=1).clamp(min=1e-12) / 127).to(COMPUTE)  # (N,)
+    q = torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 class Int8Linear(nn.Module):
     """y = x · (q · s)ᵀ + b, with q int8 (out, in) and one scale s per output row (symmetric)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().float()  # (out, in)
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
-        self.register_buffer("scale", scale.to(COMPUTE))
-        self.bias = linear.bias
-        self.fast = kernel("_weight_int8pack_mm", w.device)
+        self.register_buffer("qweight", qweight)  # (out, in) int8
+        self.register_buffer("scale", scale.to(COMPUTE))  # (out,)
+        self.bias = bias
+        self.fast = kernel("_weight_int8pack_mm", qweight.device)
+
+    @classmethod
+    def from_weight(cls, w: Weight, bias: nn.Parameter | None = None) -> Int8Linear:
+        """Per-row scales (from Blocks, rows are re-quantized from their exact values)."""
+        parts = [row_int8(rows) for rows in row_chunks(w)]
+        return cls(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(COMPUTE).reshape(-1, x.shape[-1])  # (N, in)
@@ -50,26 +125,55 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def pack_int4(q_chunks: Iterable[torch.Tensor], fast: bool) -> torch.Tensor:
+    """An int4 layer's qweight from its (out, in) values 0..15, given as chunks of rows (so a large
+    weight needs int32 temporaries for one chunk only): the kernel's tiled layout, two values per
+    byte (which packs row chunks of a multiple of 16 independently), or one value per byte."""
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 8) if fast else c.to(torch.uint8)
+                      for c in q_chunks])
+
+
 class Int4Linear(nn.Module):
     """4-bit weights: each group of 32 inputs of a row has its own scale and zero point (asymmetric,
-    like Q4_1), w ≈ (q - 8) · scale + zero with q in 0..15. Needs in % 32 == 0 and out % 16 == 0."""
+    like Q4_1), w = (q - 8) · scale + zero with q in 0..15. Needs in % 32 == 0 and out % 16 == 0."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, q: torch.Tensor | Iterable[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
+                 bias: nn.Parameter | None = None) -> None:
+        """q (out, in) integers 0..15, or its rows in chunks of CHUNK_ROWS; scale, zero (out, in/32) in
+        fp32 (rounded to bf16 here)."""
         super().__init__()
-        w = linear.weight.detach().float()
+        sz = torch.stack((scale, zero), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
+        self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
+        self.bias = bias
+        self.fast = kernel("_weight_int4pack_mm_for_cpu", scale.device)
+        self.register_buffer("qweight", pack_int4(q.split(CHUNK_ROWS) if isinstance(q, torch.Tensor) else q, self.fast))
+
+    @classmethod
+    def from_blocks(cls, b: Blocks, bias: nn.Parameter | None = None) -> Int4Linear:
+        """The file's own 4-bit grid: q·d + m = (q - 8)·d + (m + 8d), exact but for bf16 rounding of
+        d and of m + 8d (a group's midpoint, near 0 for centred weights, so its rounding is small)."""
+        return cls(b.q, b.d, b.m + 8 * b.d, bias)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias: nn.Parameter | None = None) -> Int4Linear:
+        """Each group's [min, max] split into 15 steps, the range shrunk where that lowers the
+        group's squared error (a small search: outliers otherwise widen every step)."""
         N, K = w.shape
-        groups = w.reshape(N, K // GROUP, GROUP)
+        groups = w.detach().float().reshape(N, K // GROUP, GROUP)
         lo, hi = groups.amin(-1), groups.amax(-1)  # (N, K/GROUP)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(N, K)
-        zero = lo + 8 * scale  # the kernel's (q - 8) · scale + zero is lo + q · scale
-        self.register_buffer("scales_zeros", torch.stack((scale, zero), -1).transpose(0, 1).contiguous().to(COMPUTE))  # (K/GROUP, N, 2)
-        self.bias = linear.bias
-        self.fast = kernel("_weight_int4pack_mm_for_cpu", w.device)
-        if self.fast:  # two 4-bit values per byte, in the kernel's tiled layout
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8))
-        else:
-            self.register_buffer("qweight", q.to(torch.uint8))  # (N, K), one value per byte
+        best_err = q = scale = low = None
+        for shrink in (1.0, 0.95, 0.9, 0.85, 0.8):
+            mid, half = (hi + lo) / 2, (hi - lo) / 2 * shrink
+            s, z = (2 * half / 15).clamp(min=1e-12), mid - half
+            qs = torch.round((groups - z[..., None]) / s[..., None]).clamp(0, 15)
+            err = (qs * s[..., None] + z[..., None] - groups).square().sum(-1)  # (N, K/GROUP)
+            if best_err is None:
+                best_err, q, scale, low = err, qs, s, z
+                continue
+            better = err < best_err
+            best_err, scale, low = torch.where(better, err, best_err), torch.where(better, s, scale), torch.where(better, z, low)
+            q = torch.where(better[..., None], qs, q)
+        return cls(q.reshape(N, K), scale, low + 8 * scale, bias)  # the kernel's (q - 8)·scale + zero is low + q·scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(COMPUTE).reshape(-1, x.shape[-1])  # (N, in)
@@ -88,20 +192,107 @@ class Int4Linear(nn.Module):
         return ((q - 8) * scale[..., None] + zero[..., None]).view(N, K)
 
 
-def int4_fits(linear: nn.Linear) -> bool:
-    out_features, in_features = linear.weight.shape
+class Int8GroupLinear(Int4Linear):
+    """8-bit weights with a scale per 32 inputs (Q8_0), exactly, run by the int4 kernel (the int8 one
+    has a single scale per row). A value q in -128..127 is 16·h + l - 128 with 4-bit h and l, so
+    W·x = H·x + L·x, H with scale 16d and zero 0, L with scale d and zero 8d: the kernel's
+    (h - 8)·16d + (l - 8)·d + 8d is d·q, and 16d, 8d are exact in bf16 once d is. One int4 matmul
+    over the input repeated, [H | L]·[x; x], rounds the output once and reads as many bytes as int8
+    (it ran faster than the int8 kernel on SmolLM2's LM head)."""
+
+    def __init__(self, b: Blocks, bias: nn.Parameter | None = None) -> None:
+        d = b.d  # (out, in/32)
+        chunks = (torch.cat((u >> 4, u & 15), 1) for u in ((q.to(torch.int32) + 128) for q in b.q.split(CHUNK_ROWS)))
+        super().__init__(chunks, torch.cat((16 * d, d), 1), torch.cat((torch.zeros_like(d), 8 * d), 1), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.cat((x, x), -1))
+
+
+def q8_blocks(w: Weight) -> Blocks:
+    """Float weights (out, in) rounded as Q8_0 would: int8 with a scale absmax/127 per 32 inputs."""
+    parts = [group_int8(rows) for rows in row_chunks(w)]
+    return Blocks(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), None)
+
+
+def group_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0's rule for fp32 rows (N, K): (q int8 (N, K), scale fp32 (N, K/32)), scale = absmax/127 per group."""
+    groups = rows.view(rows.shape[0], -1, GROUP)
+    d = groups.abs().amax(-1).clamp(min=1e-12) / 127
+    return torch.round(groups / d[..., None]).to(torch.int8).flatten(1), d
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding as int8 with one fp32 scale per 32 values of a row (Q8_0's layout, kept exact
+    when the file is Q8_0): a lookup dequantizes only the rows it reads, in `dtype`."""
+
+    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
+        super().__init__()
+        b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(dequantize(w))
+        q, d = b.q, b.d
+        self.register_buffer("qweight", q)  # (V, D) int8
+        self.register_buffer("scales", d.float())  # (V, D/32)
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = q.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = F.embedding(ids, self.qweight).float()  # (..., D)
+        d = F.embedding(ids, self.scales)  # (..., D/32)
+        return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
+
+
+def int4_fits(shape: tuple[int, ...]) -> bool:
+    out_features, in_features = shape
     return in_features % GROUP == 0 and out_features % 16 == 0
 
 
-def quantize(model: nn.Module, mode: str) -> nn.Module:
-    """Replace the model's Linear layers (attention, MLP, experts, LM head) by quantized ones, in place.
-    int4 keeps int8 for layers whose shape the int4 layout cannot take."""
+def quantized_linear(w: Weight, mode: str, bias: nn.Parameter | None = None) -> nn.Module:
+    """The layer `mode` makes of weight w (out, in). int4: a file's Q4 blocks as they are, float
+    weights on their own 4-bit grid. int8 and "q8" (the LM head in both modes): a file's Q8_0 blocks
+    as they are, anything else rounded to Q8_0's grid (8 bits, a scale per 32 inputs: finer than one
+    per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row."""
+    if not int4_fits(tuple(w.shape)):
+        return Int8Linear.from_weight(w, bias)
+    if isinstance(w, Blocks) and w.bits == 8:
+        return Int8GroupLinear(w, bias)
+    if isinstance(w, Blocks) and mode in ("int4", "q8"):
+        return Int4Linear.from_blocks(w, bias)
+    if mode == "int4":
+        return Int4Linear.from_weight(w, bias)
+    return Int8GroupLinear(q8_blocks(w), bias)
+
+
+def layer_mode(name: str, mode: str) -> str:
+    """The mode for the Linear `name`: the LM head, whose logits pick the token, is Q8_0-like in both
+    modes (per-row int8 there cost SmolLM2 +0.3 % perplexity, int4 +6 %; llama.cpp's Q4 files keep
+    it at 6-8 bits too)."""
+    return "q8" if name == "lm_head" else mode
+
+
+def targets(model: nn.Module) -> set[str]:
+    """Names of the Linear layers quantization replaces: all but MoE routers."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in routers}
+
+
+def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise DecoderLMError(f"quantization {mode!r} is not supported; use one of {', '.join(MODES)}")
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in routers]
-    for name, linear in targets:
-        parent, _, attr = name.rpartition(".")
-        layer = Int4Linear(linear) if mode == "int4" and int4_fits(linear) else Int8Linear(linear)
-        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+
+
+def quantize(model: nn.Module, mode: str) -> nn.Module:
+    """Replace the model's Linear layers (attention, MLP, experts, LM head) by quantized ones and its
+    token embedding by an int8 one, in place. int4 keeps int8 for shapes its layout cannot take."""
+    check_mode(mode)
+    for name in sorted(targets(model)):
+        linear = model.get_submodule(name)
+        set_module(model, name, quantized_linear(linear.weight.detach(), layer_mode(name, mode), linear.bias))
+    embed = getattr(model, "embed_tokens", None)
+    if isinstance(embed, nn.Embedding):
+        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype)
     return model
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -7,6 +7,8 @@ mapping the checkpoint's tensor names (with an optional transform) to ours.
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
@@ -15,10 +17,77 @@ from decoderlm.model import Transformer
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
     """A model whose parameters are allocated once, in `dtype` on `device`, with no values yet: built on
     the meta device, so no time goes to a random init (or a CPU copy) that the weights overwrite."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = meta_model(config).to(dtype).to_empty(device=device)
     if config.tie_embeddings:  # to_empty gives each module its own storage
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope()  # a computed buffer: the meta build held no values
     return model
+
+
+class _OnMeta(TorchFunctionMode):
+    """Modules built inside get their parameters on the meta device, without random init (nothing
+    to initialize). Only the constructors of parameters are redirected: `with torch.device("meta")`
+    would move everything, and the meta kernels of normal_ and arange import torch._dynamo and
+    sympy, ~75 MB a loader has no use for. Small computed tables (RoPE's) stay on the CPU."""
+
+    FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
+            return args[0] if args else kwargs["tensor"]
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def meta_model(config: ModelConfig) -> Transformer:
+    """The model's modules with shapes but no storage (and no values)."""
+    with _OnMeta():
+        return Transformer(config)
+
+
+class TensorByTensor:
+    """A model built on the meta device and given its weights one tensor at a time, each becoming its
+    parameter (in `dtype` on `device`) or, with `quantize`, its quantized layer straight away: the
+    model never exists whole in full precision, so loading peaks near the size of what it keeps.
+    Weights may be float tensors or `decoderlm.quantize.Blocks` (a GGUF file's own blocks)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quantize: str | None = None) -> None:
+        from decoderlm.quantize import check_mode, targets
+
+        self.model = meta_model(config)
+        self.dtype, self.device, self.quantize = dtype, torch.device(device), quantize
+        if quantize is not None:
+            check_mode(quantize)
+        self.linears = targets(self.model) if quantize else set()
+        self.shapes = {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
+        self.loaded: set[str] = set()
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Place the weight `name` (one of self.shapes, with that shape)."""
+        from decoderlm.quantize import Int8Embedding, dequantize, layer_mode, quantized_linear, set_module
+
+        owner, _, param = name.rpartition(".")
+        module = self.model.get_submodule(owner)
+        if self.quantize and owner in self.linears and param == "weight":
+            bias = module.bias if f"{owner}.bias" in self.loaded else None
+            set_module(self.model, owner, quantized_linear(value, layer_mode(owner, self.quantize), bias).to(self.device))
+        elif self.quantize and name == "embed_tokens.weight":
+            self.model.embed_tokens = Int8Embedding(value, self.dtype).to(self.device)
+            if self.model.config.tie_embeddings:
+                set_module(self.model, "lm_head", quantized_linear(value, layer_mode("lm_head", self.quantize)).to(self.device))
+                self.loaded.add("lm_head.weight")
+        else:
+            setattr(module, param, nn.Parameter(dequantize(value).to(self.device, self.dtype)))
+        self.loaded.add(name)
+
+    def finish(self) -> tuple[Transformer, list[str]]:
+        """(the model in eval mode, names of the weights never given)."""
+        if self.model.config.tie_embeddings and not self.quantize:
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+            self.loaded.add("lm_head.weight")
+        missing = sorted(n for n in self.shapes if n not in self.loaded)
+        if not missing:
+            self.model.init_rope()
+        return self.model.eval(), missing

@@ -1,8 +1,9 @@
 """GGUF (llama.cpp's single-file format): hyper-parameters and tokenizer as metadata, weights as
 (often quantized) tensors. `load_gguf` maps all three onto decoderlm's config, model and tokenizer.
 
-The file is memory-mapped; each tensor is dequantized to fp32, converted and copied into the model
-one at a time, so peak memory is the model plus one tensor. Quirks undone here:
+The model is built on the meta device and each tensor is read, converted and placed one at a time
+(dequantized to the model's dtype, or with --quantize kept as its quantized layer), so peak memory is
+the model plus one tensor. Quirks undone here:
 - llama.cpp stores Llama's Q/K rows interleaved per head (its RoPE rotates adjacent pairs); ours
   rotates halves (HF layout), so those rows are permuted back;
 - GPT-2's fused `attn_qkv` is split into q/k/v;
@@ -14,12 +15,13 @@ one at a time, so peak memory is the model plus one tensor. Quirks undone here:
 
 from __future__ import annotations
 
+import ctypes
 import re
-import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -30,14 +32,16 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats import empty_model
+from decoderlm.formats import TensorByTensor
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies
+from decoderlm.quantize import Blocks
 from decoderlm.tokenizer.bpe import HFTokenizer
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+PROGRESS_BYTES = 300 * 2**20  # files above this show a progress bar (on a terminal) while they load
 
 # llama.cpp tensor name → ours; {i} is the layer.
 TENSOR_NAMES = {
@@ -61,32 +65,49 @@ TENSOR_NAMES = {
 _NAME_RE = re.compile(r"^(?P<base>.+?)\.(?P<param>weight|bias)$")
 
 
-def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Transformer, HFTokenizer]:
-    """(model in eval mode on `device`, tokenizer) from a .gguf file."""
+def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              quantize: str | None = None) -> tuple[Transformer, HFTokenizer]:
+    """(model in eval mode on `device`, tokenizer) from a .gguf file. quantize ("int8", "int4"): each
+    weight becomes its quantized layer as it is read (Q4_0/Q4_1 blocks as they are, for int4)."""
     path = Path(path)
     reader = open_gguf(path)
     meta = Metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_config(meta, tensors)
     tokenizer = gguf_tokenizer(meta)
-    model = empty_model(config, torch_dtype, device)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=not sys.stderr.isatty()):
-        for name, value in convert_tensor(t, config, meta.arch):
-            if name not in params:
-                raise DecoderLMError(f"GGUF tensor {t.name} ({name}) has no place in a {meta.arch} model; the file does not match its metadata")
-            if params[name].shape != value.shape:
-                raise DecoderLMError(f"GGUF tensor {t.name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)} for {name}")
-            with torch.no_grad():
-                params[name].copy_(value)
-            loaded.add(name)
-    tied = {"lm_head.weight"} if config.tie_embeddings else set()
-    missing = sorted(n for n in params if n not in loaded and n not in tied)
+    fill = TensorByTensor(config, torch_dtype, device, quantize)
+    big = path.stat().st_size > PROGRESS_BYTES
+    with path.open("rb") as file:
+        for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None if big else True):
+            for name, value in convert_tensor(t, config, meta.arch, read_tensor(file, t, blocks=quantize is not None)):
+                if name not in fill.shapes:
+                    raise DecoderLMError(f"GGUF tensor {t.name} ({name}) has no place in a {meta.arch} model; the file does not match its metadata")
+                if fill.shapes[name] != value.shape:
+                    raise DecoderLMError(f"GGUF tensor {t.name} has shape {tuple(value.shape)}, expected {tuple(fill.shapes[name])} for {name}")
+                fill.put(name, value)
+            trim_heap()
+    model, missing = fill.finish()
     if missing:
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
     model.generation_defaults = meta.sampling_defaults()
-    return model.eval(), tokenizer
+    return model, tokenizer
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed pages back to the OS. A tensor's temporaries come and go in blocks of
+    a few MB that glibc keeps for reuse, and over hundreds of tensors that slack grew to ~0.8x the
+    quantized model (peak memory); trimming after each tensor costs well under a millisecond."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def open_gguf(path: Path) -> "FastReader":
@@ -208,18 +229,59 @@ def rope_freqs_scaling(factors: torch.Tensor, rot_dim: int, theta: float) -> dic
 
 
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
-    """fp32 torch tensor in PyTorch's (out, in) order — GGUF lists dims innermost first."""
-    if t.tensor_type not in SUPPORTED_TYPES:
-        names = ", ".join(q.name for q in SUPPORTED_TYPES)
-        raise DecoderLMError(f"GGUF tensor {t.name} is quantized as {t.tensor_type.name}, which is not supported; supported: {names}")
+    """fp32 torch tensor in PyTorch's (out, in) order, read through the memory map (small tensors)."""
+    check_type(t)
     values = dequantize(t.data, t.tensor_type)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
         values = values.copy()
-    return torch.from_numpy(values).reshape(tuple(int(n) for n in reversed(t.shape)))
+    return torch.from_numpy(values).reshape(torch_shape(t))
 
 
-def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str) -> list[tuple[str, torch.Tensor]]:
-    """One GGUF tensor → (our parameter name, tensor) pairs (several for fused or stacked tensors)."""
+def check_type(t: ReaderTensor) -> None:
+    if t.tensor_type not in SUPPORTED_TYPES:
+        names = ", ".join(q.name for q in SUPPORTED_TYPES)
+        raise DecoderLMError(f"GGUF tensor {t.name} is quantized as {t.tensor_type.name}, which is not supported; supported: {names}")
+
+
+def torch_shape(t: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+
+
+def read_tensor(file: BinaryIO, t: ReaderTensor, blocks: bool = False) -> torch.Tensor | Blocks:
+    """One tensor in PyTorch's (out, in) order: Q4_0 / Q4_1 / Q8_0 as `Blocks` when `blocks`, else fp32.
+    Its bytes are read from the file into memory of their own, not through the memory map: mapped
+    pages, once touched, would count in the process's memory until the whole file is unmapped."""
+    check_type(t)
+    raw = bytearray(int(t.n_bytes))
+    file.seek(t.data_offset)
+    file.readinto(raw)
+    if t.tensor_type in BLOCK_BYTES:
+        b = unpack_blocks(torch.frombuffer(raw, dtype=torch.uint8), t.tensor_type, torch_shape(t))
+        return b if blocks else b.dequantize()
+    if t.tensor_type == Q.F32:
+        return torch.frombuffer(raw, dtype=torch.float32).reshape(torch_shape(t))
+    return torch.from_numpy(dequantize(np.frombuffer(raw, dtype=np.uint8), t.tensor_type).reshape(torch_shape(t)))
+
+
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}  # per 32 weights: fp16 d (and fp16 m), then the values
+
+
+def unpack_blocks(raw: torch.Tensor, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
+    """ggml's block layout: d (fp16), Q4_1's m (fp16), then Q8_0's 32 int8 values or Q4's 16 bytes
+    whose low nibbles are the block's values 0..15 and high nibbles 16..31."""
+    grid = (*shape[:-1], shape[-1] // 32)  # (..., N, K/32)
+    raw = raw.view(-1, BLOCK_BYTES[kind])  # (blocks, bytes)
+    d = raw[:, 0:2].view(torch.float16).float().view(grid)
+    if kind == Q.Q8_0:
+        return Blocks(raw[:, 2:].view(torch.int8).reshape(shape), d, None)
+    packed = raw[:, 4:] if kind == Q.Q4_1 else raw[:, 2:]  # (blocks, 16)
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=1).reshape(shape)
+    m = raw[:, 2:4].view(torch.float16).float().view(grid) if kind == Q.Q4_1 else -8 * d
+    return Blocks(q, d, m)
+
+
+def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str, value: torch.Tensor | Blocks) -> list[tuple[str, torch.Tensor | Blocks]]:
+    """One GGUF tensor's value → (our parameter name, value) pairs (several for fused or stacked tensors)."""
     match = _NAME_RE.match(t.name)
     if match is None:
         raise DecoderLMError(f"unexpected GGUF tensor name {t.name}; the file is not a supported {arch} model")
@@ -228,7 +290,6 @@ def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str) -> list[tupl
         return []
     layer = re.match(r"blk\.(\d+)\.(.+)", base)
     key, i = (f"blk.{{i}}.{layer[2]}", layer[1]) if layer else (base, "")
-    value = dequantize_tensor(t)
     hd = config.head_dim
     if key == "blk.{i}.attn_qkv":  # GPT-2: q, k, v stacked along rows
         q, k, v = value.split([config.n_heads * hd, config.n_kv_heads * hd, config.n_kv_heads * hd])
@@ -236,11 +297,12 @@ def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str) -> list[tupl
         return [(f"{prefix}.q_proj.{param}", q), (f"{prefix}.k_proj.{param}", k), (f"{prefix}.v_proj.{param}", v)]
     if key.endswith("_exps"):  # MoE: (n_experts, out, in), one slice per expert
         proj = {"blk.{i}.ffn_gate_exps": "gate_proj", "blk.{i}.ffn_up_exps": "up_proj", "blk.{i}.ffn_down_exps": "down_proj"}[key]
-        return [(f"layers.{i}.mlp.experts.{e}.{proj}.{param}", w) for e, w in enumerate(value)]
+        return [(f"layers.{i}.mlp.experts.{e}.{proj}.{param}", w) for e, w in enumerate(value.unbind(0))]
     if key not in TENSOR_NAMES:
         raise DecoderLMError(f"GGUF tensor {t.name} is not supported for architecture {arch}")
     if arch in ("llama", "mistral") and key in ("blk.{i}.attn_q", "blk.{i}.attn_k"):
-        value = unpermute_rope_rows(value, config.n_heads if key.endswith("q") else config.n_kv_heads)
+        n_heads = config.n_heads if key.endswith("q") else config.n_kv_heads
+        value = value.map(lambda w: unpermute_rope_rows(w, n_heads)) if isinstance(value, Blocks) else unpermute_rope_rows(value, n_heads)
     return [(f"{TENSOR_NAMES[key].format(i=i)}.{param}", value)]
 
 

@@ -88,7 +88,7 @@ class Transformer(nn.Module):
             return
         rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         inv_freq = inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq.to(self.embed_tokens.weight.device), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(self.norm.weight.device), persistent=False)  # the embedding may be quantized
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -127,8 +127,8 @@ class Engine:
         if kv_cache_memory is not None and num_blocks is not None:
             raise DecoderLMError("give kv_cache_memory or num_blocks, not both")
         cfg = model.config
-        self.model, self.device = model, model.embed_tokens.weight.device
-        dtype = model.embed_tokens.weight.dtype
+        self.model, self.device = model, model.norm.weight.device  # the embedding may be quantized
+        dtype = model.norm.weight.dtype
         if num_blocks is None:
             per_token = BlockPool.bytes_per_token(cfg, dtype)
             memory = kv_cache_memory if kv_cache_memory is not None else min(DEFAULT_KV_MEMORY, max_batch * cfg.max_seq_len * per_token)
