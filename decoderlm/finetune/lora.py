@@ -177,7 +177,7 @@ def load_merged(folder: str | Path, dtype: torch.dtype = torch.float32,
     base = read_adapter_config(folder).get("base_model_name_or_path")
     if not base:
         raise DecoderLMError(f"{Path(folder) / ADAPTER_CONFIG} does not name its base model (base_model_name_or_path); add it")
-    model, tokenizer = load(base, device=device)
+    model, tokenizer = load(base, device=device, fuse=False)  # the adapter names q_proj, v_proj, ...; `load` fuses after merging
     merge_lora(load_adapter(model, folder))
     model.to(dtype).init_rope()  # rope tables stay fp32 whatever the weights' dtype
     return model.eval(), tokenizer
