@@ -5,6 +5,8 @@ names, order and values, and load_state_dict / save_hf / load round-trip through
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hf_models import CASES, make_hf_model, prompt_ids
@@ -18,7 +20,7 @@ from decoderlm.generate import decode_step, prefill
 from decoderlm.kv_cache import KVCache
 from decoderlm.loader import load
 from decoderlm.model import Transformer
-from decoderlm.model.fuse import fuse_projections
+from decoderlm.model.fuse import fuse_projections, unfuse_projections
 from decoderlm.model.norm import RMSNorm
 from decoderlm.quantize import INT4_TILE, Int4Linear, Int8Linear, concat, kernel, quantize
 
@@ -110,6 +112,19 @@ def test_unfused_load_keeps_the_checkpoint_modules(folder):
     model, _ = load(folder, fuse=False)
     attn = model.layers[0].self_attn
     assert attn.qkv_proj is None and isinstance(attn.v_proj, nn.Linear)
+
+
+def test_unfusing_restores_the_checkpoint_modules(folder):
+    """unfuse_projections (LoRA runs it on a loaded model) gives back one Linear per matrix, hooks gone,
+    also on a deep copy (DPO's frozen reference)."""
+    plain, _ = load(folder, fuse=False)
+    fused, _ = load(folder)
+    again = unfuse_projections(copy.deepcopy(fused))
+    assert [n for n, _ in again.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert_same_state(again, plain)
+    assert_same_state(fused, plain)  # the original is still fused, its names still the checkpoint's
+    ids = prompt_ids(10)
+    torch.testing.assert_close(logits(again, ids), logits(plain, ids), atol=TOL, rtol=TOL)
 
 
 def tiled_model() -> Transformer:

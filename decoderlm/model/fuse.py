@@ -1,19 +1,21 @@
 """Fused projections for inference: q/k/v as one matrix, gate/up as one.
 
-A decode step of a small model is bound by the number of ops, not by the bytes of weights read: one
-matmul with (H + 2·Hkv)·D output rows costs about a third of three separate ones. `fuse_projections(model)` stacks
-the rows of q_proj, k_proj, v_proj into `qkv_proj` and of gate_proj, up_proj into `gate_up_proj`
-(plain Linear layers, or the quantized layers of `decoderlm.quantize`), in place; the numbers stay the
-same, since each output row is still computed from the same weights.
+A decode step of a small model is bound by the number of ops more than by the bytes of weights read:
+one matmul over the stacked rows reads what three read, in a third of the calls. `fuse_projections`
+stacks the rows of q_proj, k_proj, v_proj into `qkv_proj` and of gate_proj, up_proj into
+`gate_up_proj` (plain Linear layers, or the quantized layers of `decoderlm.quantize`), in place. The
+numbers stay the same: each output row is computed from the same weights as before.
 
-Where: `decoderlm.load` fuses every model it returns; `load(..., fuse=False)` keeps one module per
-checkpoint matrix, for what wraps those modules by name (LoRA fine-tuning, merging an adapter).
-Models built for training are never fused.
+Where: `decoderlm.load` fuses every model it returns, before quantizing (quantization is per row, so
+a stacked matrix quantizes to the same numbers); `load(..., fuse=False)` keeps one module per
+checkpoint matrix, as fine-tuning wants. `unfuse_projections` undoes it (LoRA calls it before wrapping
+q_proj, v_proj, ... by name). Models built for training are never fused.
 
 Names: the checkpoint's names stay the model's names on the way in and out. A fused module's
 `state_dict()` splits the stacked rows back into q_proj/k_proj/v_proj (gate_proj/up_proj), in the
 unfused order, and `load_state_dict()` takes those names and stacks them, so saving, `convert`,
-`--init-from` and checkpoints see the same keys as before fusion.
+`--init-from` and checkpoints see the keys of the unfused model. (Packed int4 bytes split back into a
+part's own packing only at the kernel's 64-row tiles; a quantized state_dict is read by nothing.)
 """
 
 from __future__ import annotations
@@ -24,27 +26,41 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoderlm import quantize
 from decoderlm.model.attention import Attention
 from decoderlm.model.mlp import MLP
 
-# Which dimension of a layer's tensor runs over its output rows (the quantized layers' entries come
-# from decoderlm.quantize).
-ROW_DIM = {"weight": 0, "bias": 0}
+ROW_DIM = {"weight": 0, "bias": 0, **quantize.ROW_DIM}  # which dimension of a layer's tensor runs over output rows
+STACKS = {Attention: (("q_proj", "k_proj", "v_proj"), "qkv_proj"), MLP: (("gate_proj", "up_proj"), "gate_up_proj")}
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Stack q/k/v and gate/up projections of every attention and gated MLP (MoE experts too), in place."""
     for module in list(model.modules()):
-        if isinstance(module, Attention) and module.qkv_proj is None:
-            fuse_rows(module, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        elif isinstance(module, MLP) and module.gated and module.gate_up_proj is None:
-            fuse_rows(module, ("gate_proj", "up_proj"), "gate_up_proj")
+        if type(module) in STACKS and not hasattr(module, "_stacked") and (not isinstance(module, MLP) or module.gated):
+            stack(module, *STACKS[type(module)])
     return model
 
 
-def fuse_rows(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+def unfuse_projections(model: nn.Module) -> nn.Module:
+    """Undo `fuse_projections` for plain Linear layers, in place: one module per checkpoint matrix again,
+    for what wraps them by name (LoRA). Quantized stacks stay as they are."""
+    for module in list(model.modules()):
+        if hasattr(module, "_stacked") and isinstance(getattr(module, module._stacked[1]), nn.Linear):
+            names, fused_name, sizes, hooks = module.__dict__.pop("_stacked")
+            fused = getattr(module, fused_name)
+            biases = fused.bias.split(sizes) if fused.bias is not None else (None,) * len(sizes)
+            for name, weight, bias in zip(names, fused.weight.split(sizes), biases):
+                setattr(module, name, _linear(weight.clone(), None if bias is None else bias.clone(), fused.weight.requires_grad))
+            setattr(module, fused_name, None)
+            for hook in hooks:
+                hook.remove()
+    return model
+
+
+def stack(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
     """Replace parent's layers `names` by one layer `fused_name` whose output rows are theirs, in order.
-    Returns False (and changes nothing) when the layers cannot be stacked (mixed quantization kinds)."""
+    Returns False (and changes nothing) where they cannot be stacked (see `stack_rows`)."""
     layers = [getattr(parent, n) for n in names]
     fused = stack_rows(layers)
     if fused is None:
@@ -53,36 +69,35 @@ def fuse_rows(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
     setattr(parent, fused_name, fused)
     for n in names:
         setattr(parent, n, None)
-    parent.register_state_dict_post_hook(partial(_split_state, fused_name=fused_name, names=names, sizes=sizes))
-    parent.register_load_state_dict_pre_hook(partial(_join_state, fused_name=fused_name, names=names))
+    hooks = (parent.register_state_dict_post_hook(partial(_split_state, fused_name=fused_name, names=names, sizes=sizes)),
+             parent.register_load_state_dict_pre_hook(partial(_join_state, fused_name=fused_name, names=names)))
+    parent._stacked = (names, fused_name, sizes, hooks)  # what `unfuse_projections` undoes
     return True
 
 
 def stack_rows(layers: list[nn.Module]) -> nn.Module | None:
-    """One layer computing what `layers` compute, side by side on the last dim; None if they differ in kind."""
+    """One layer computing what `layers` compute, side by side on the last dim. None for layers of
+    different kinds (a part int8 where int4 did not fit) or packed int4 rows that do not stack."""
     kind = type(layers[0])
     if any(type(layer) is not kind for layer in layers):
         return None
     if kind is not nn.Linear:
-        from decoderlm.quantize import concat
+        return quantize.concat(layers)
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return _linear(torch.cat([layer.weight for layer in layers]), bias, layers[0].weight.requires_grad)
 
-        return concat(layers)
-    first = layers[0]
-    fused = nn.Linear(first.in_features, sum(out_rows(layer) for layer in layers), bias=first.bias is not None, device="meta")
-    fused.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]), requires_grad=first.weight.requires_grad)
-    if first.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=first.bias.requires_grad)
-    return fused
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool) -> nn.Linear:
+    """An nn.Linear holding these tensors (built on meta: no init work for weights about to be replaced)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=requires_grad)
+    return layer
 
 
 def out_rows(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, nn.Linear) else layer.qweight.shape[0]
-
-
-def row_dim(name: str) -> int:
-    from decoderlm.quantize import ROW_DIM as QUANTIZED
-
-    return {**ROW_DIM, **QUANTIZED}[name]
 
 
 def _split_state(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any, *,
@@ -100,7 +115,7 @@ def _split_state(module: nn.Module, state: dict[str, Any], prefix: str, local_me
             placed = True
             for i, name in enumerate(names):
                 for suffix, tensor in fused.items():  # clone: its own storage (safetensors refuses shared ones)
-                    state[f"{prefix}{name}.{suffix}"] = tensor.split(sizes, dim=row_dim(suffix))[i].clone()
+                    state[f"{prefix}{name}.{suffix}"] = tensor.split(sizes, dim=ROW_DIM[suffix])[i].clone()
 
 
 def _join_state(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -111,4 +126,4 @@ def _join_state(module: nn.Module, state: dict[str, Any], prefix: str, local_met
     for suffix in module.get_submodule(fused_name).state_dict(keep_vars=True):
         keys = [f"{prefix}{name}.{suffix}" for name in names]
         if all(key in state for key in keys):
-            state[f"{prefix}{fused_name}.{suffix}"] = torch.cat([state.pop(key) for key in keys], dim=row_dim(suffix))
+            state[f"{prefix}{fused_name}.{suffix}"] = torch.cat([state.pop(key) for key in keys], dim=ROW_DIM[suffix])
