@@ -22,6 +22,7 @@ from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections, unfuse_projections
 from decoderlm.model.norm import RMSNorm
+from decoderlm.model.rope import apply_rope_, inverse_frequencies, rope_cos_sin
 from decoderlm.quantize import INT4_TILE, Int4Linear, Int8Linear, concat, kernel, quantize
 
 TOL = 1e-5
@@ -178,3 +179,18 @@ def test_rms_norm_in_bf16_rounds_once():
     x = torch.randn(3, 5, 64) * 4
     want = norm(x.bfloat16().float()).bfloat16()
     assert torch.equal(norm.bfloat16()(x.bfloat16()), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [16, 8])  # full and partial rotary
+def test_in_place_rope_equals_the_rotate_half_formula(dtype, rot_dim):
+    """The in-place rotation with one roll gives, bit for bit, x·cos + rotate_half(x)·sin in x's dtype."""
+    x = torch.randn(2, 5, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)  # (B, T, H, D)
+    positions = torch.tensor([[0, 1, 2, 7, 30], [3, 4, 5, 6, 100]])
+    inv_freq = inverse_frequencies(rot_dim, 10000.0, None)
+    angles = positions[..., None].float() * inv_freq
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype)[:, :, None], torch.cat((angles, angles), -1).sin().to(dtype)[:, :, None]
+    x1, x2, rest = x[..., : rot_dim // 2], x[..., rot_dim // 2 : rot_dim], x[..., rot_dim:]
+    want = torch.cat((x[..., :rot_dim] * cos + torch.cat((-x2, x1), -1) * sin, rest), -1)
+    got = apply_rope_(x.clone(), *rope_cos_sin(positions, inv_freq, dtype))
+    assert torch.equal(got, want)

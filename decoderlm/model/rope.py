@@ -59,9 +59,11 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate, in place, the first rot_dim channels of x (B, T, H, D); the rest pass through (partial rotary).
-    In place, so a fused projection's q and k are rotated in its own output, with no copy to split or cat."""
+    In place, so a fused projection's q and k are rotated in its own output, with no copy to split or cat.
+    Two products, each rounded, then their sum: addcmul_ would save an op but round once less, which
+    moves bf16 results off those of the plain formula."""
     rot_dim = cos.shape[-1]
     rot = x if rot_dim == x.shape[-1] else x.narrow(-1, 0, rot_dim)
     swapped = rot.roll(rot_dim // 2, dims=-1)  # (x2, x1)
-    rot.mul_(cos).addcmul_(swapped, sin)
+    rot.mul_(cos).add_(swapped.mul_(sin))
     return x
