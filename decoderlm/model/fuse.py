@@ -77,9 +77,10 @@ def stack(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
 
 def stack_rows(layers: list[nn.Module]) -> nn.Module | None:
     """One layer computing what `layers` compute, side by side on the last dim. None for layers of
-    different kinds (a part int8 where int4 did not fit) or packed int4 rows that do not stack."""
+    different kinds (a part int8 where int4 did not fit), other kinds (LoRA wrappers), or packed int4
+    rows that do not stack."""
     kind = type(layers[0])
-    if any(type(layer) is not kind for layer in layers):
+    if any(type(layer) is not kind for layer in layers) or kind not in (nn.Linear, quantize.Int8Linear, quantize.Int4Linear):
         return None
     if kind is not nn.Linear:
         return quantize.concat(layers)
