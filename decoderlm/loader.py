@@ -17,6 +17,7 @@ from decoderlm.config import ModelConfig
 from decoderlm.device import resolve_device
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
+from decoderlm.model.fuse import fuse_projections
 from decoderlm.train import checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,9 +44,11 @@ def resolve_source(source: str | Path) -> Path:
 
 
 def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
-         device: str | torch.device = "cpu") -> tuple[Transformer, object]:
+         device: str | torch.device = "cpu", fuse: bool = True) -> tuple[Transformer, object]:
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
-    quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`)."""
+    quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`).
+    fuse: q/k/v and gate/up projections stacked for fast inference (see `decoderlm.model.fuse`);
+    False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     if quantize is not None:
         from decoderlm.quantize import MODES
@@ -56,8 +59,13 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
         if path.is_file() and path.suffix == ".gguf":  # quantized tensor by tensor as it loads
             from decoderlm.formats.gguf import load_gguf
 
-            return load_gguf(path, torch_dtype, torch_device, quantize)
+            model, tokenizer = load_gguf(path, torch_dtype, torch_device, quantize)
+            if fuse:  # already quantized: the quantized layers are stacked (decoderlm.quantize.concat)
+                fuse_projections(model)
+            return model, tokenizer
     model, tokenizer = _load(source, torch_dtype, torch_device)
+    if fuse:  # before quantizing: a stacked matrix quantizes row by row to the same numbers
+        fuse_projections(model)
     if quantize is not None:
         from decoderlm.quantize import quantize as quantize_weights
 

@@ -296,3 +296,25 @@ def quantize(model: nn.Module, mode: str) -> nn.Module:
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+# Stacking quantized layers, for decoderlm.model.fuse: the dimension of each tensor that runs over output rows.
+ROW_DIM = {"qweight": 0, "scale": 0, "scales_zeros": 1, "bias": 0}
+INT4_TILE = 64  # the CPU kernel packs rows in tiles of up to 64: packed rows stack exactly at tile boundaries
+
+
+def concat(layers: list[nn.Module]) -> nn.Module | None:
+    """One quantized layer whose output rows are those of `layers` (Int8Linear, Int4Linear or Int8GroupLinear, one kind,
+    one input size), in order. Each row keeps its own values and scales, so the outputs are unchanged.
+    None where packed int4 rows cannot be stacked: a part other than the last ends inside a tile."""
+    first = layers[0]
+    if isinstance(first, Int4Linear) and first.fast and any(layer.qweight.shape[0] % INT4_TILE for layer in layers[:-1]):
+        return None
+    fused = type(first).__new__(type(first))
+    nn.Module.__init__(fused)
+    vars(fused).update({k: v for k, v in vars(first).items() if not k.startswith("_")})  # plain settings (fast, ...)
+    for name, _ in first.named_parameters(recurse=False):
+        setattr(fused, name, nn.Parameter(torch.cat([getattr(layer, name) for layer in layers], ROW_DIM[name]), requires_grad=False))
+    for name, _ in first.named_buffers(recurse=False):
+        fused.register_buffer(name, torch.cat([getattr(layer, name) for layer in layers], ROW_DIM[name]))
+    return fused

@@ -25,7 +25,8 @@ RUNNABLE = ["gpt2", "llama-3.1-8b", "mistral-7b-v0.1", "mixtral-8x7b-v0.1", "qwe
 
 
 def assert_describes(spec: ArchSpec, model: Transformer) -> None:
-    """Every field inspect reports that the built model also has, read off the model's own modules."""
+    """Every field inspect reports that the built model also has, read off the model's own modules (loaded
+    with fuse=False: one module per checkpoint matrix)."""
     c, layer = model.config, model.layers[0]
     attn, ffn = layer.self_attn, layer.mlp
     moe = hasattr(ffn, "experts")
@@ -57,7 +58,7 @@ def assert_describes(spec: ArchSpec, model: Transformer) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_inspect_and_load_agree_on_every_hf_family(case, tmp_path):
     make_hf_model(case, tmp_path)
-    model, _ = load(tmp_path)
+    model, _ = load(tmp_path, fuse=False)
     assert_describes(read_spec(tmp_path), model)
 
 
@@ -83,7 +84,7 @@ def test_inspect_and_load_agree_on_every_fixture(name, change, tmp_path):
 def test_inspect_and_load_agree_on_gguf(arch, tmp_path):
     _, vocab = tokenizer_meta()
     write_model(tmp_path / "m.gguf", arch, hf_model(arch, vocab), Q.Q8_0)
-    model, _ = load(tmp_path / "m.gguf")
+    model, _ = load(tmp_path / "m.gguf", fuse=False)
     assert_describes(read_spec(tmp_path / "m.gguf"), model)
 
 
@@ -92,7 +93,7 @@ def test_inspect_reads_gguf_rope_scaling_as_load_does(tmp_path):
     _, vocab = tokenizer_meta()
     extra = [("rope_freqs.weight", llama3_factors(16, 10000.0, LLAMA3))]
     write_model(tmp_path / "m.gguf", "llama", llama(vocab, LLAMA3), Q.F32, extra_tensors=extra)
-    model, _ = load(tmp_path / "m.gguf")
+    model, _ = load(tmp_path / "m.gguf", fuse=False)
     spec = read_spec(tmp_path / "m.gguf")
     assert spec.rope_scaling == LLAMA3
     assert_describes(spec, model)

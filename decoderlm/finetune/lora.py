@@ -22,6 +22,7 @@ from torch import nn
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.families import expand, family_of
 from decoderlm.model import Transformer
+from decoderlm.model.fuse import unfuse_projections
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -62,6 +63,7 @@ def apply_lora(model: Transformer, rank: int, alpha: float, targets: list[str], 
     """Wrap every nn.Linear whose last name is in `targets` (q_proj, v_proj, ...); freeze everything else."""
     if rank < 1:
         raise DecoderLMError(f"--lora-rank must be a positive integer, got {rank}")
+    unfuse_projections(model)  # a model from `decoderlm.load` has q/k/v (gate/up) stacked: one Linear each again
     found = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets}
     missing = sorted(set(targets) - {name.rsplit(".", 1)[-1] for name in found})
     if missing:
@@ -177,7 +179,7 @@ def load_merged(folder: str | Path, dtype: torch.dtype = torch.float32,
     base = read_adapter_config(folder).get("base_model_name_or_path")
     if not base:
         raise DecoderLMError(f"{Path(folder) / ADAPTER_CONFIG} does not name its base model (base_model_name_or_path); add it")
-    model, tokenizer = load(base, device=device)
+    model, tokenizer = load(base, device=device, fuse=False)  # the adapter names q_proj, v_proj, ...; `load` fuses after merging
     merge_lora(load_adapter(model, folder))
     model.to(dtype).init_rope()  # rope tables stay fp32 whatever the weights' dtype
     return model.eval(), tokenizer

@@ -172,7 +172,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         print(note, file=sys.stderr)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer = load(cfg.model)
+    model, tokenizer = load(cfg.model, fuse=False)  # LoRA wraps q_proj, v_proj, ... by name
     check_chat_tokenizer(tokenizer)
     pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
     if cfg.method == "sft":

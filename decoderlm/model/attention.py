@@ -16,7 +16,7 @@ from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.model.norm import RMSNorm
-from decoderlm.model.rope import apply_rope
+from decoderlm.model.rope import apply_rope_
 
 if TYPE_CHECKING:
     from decoderlm.kv_cache import Cache
@@ -69,6 +69,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         d, qd, kvd = config.d_model, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        self.register_module("qkv_proj", None)  # q, k, v rows in one matrix: set by decoderlm.model.fuse for inference
         self.q_proj = nn.Linear(d, qd, bias=config.attn_bias)
         self.k_proj = nn.Linear(d, kvd, bias=config.attn_bias)
         self.v_proj = nn.Linear(d, kvd, bias=config.attn_bias)
@@ -81,19 +82,28 @@ class Attention(nn.Module):
         self.causal = config.causal
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of x (B, T, d_model), split into heads, normed and rotated."""
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x (B, T, d_model): split into heads, normed and rotated."""
         B, T, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H·D), (B, T, Hkv·D)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv_proj is not None and self.q_norm is None:  # the decode fast path: q and k rotated in one go
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+            if rope is not None:
+                apply_rope_(qkv.narrow(2, 0, H + Hkv), *rope)
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=2)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split((H * D, Hkv * D, Hkv * D), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·D), (B, T, Hkv·D) ×2
         if self.q_norm is not None and self.norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if self.q_norm is not None and not self.norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v
+            apply_rope_(q, *rope)
+            apply_rope_(k, *rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -28,11 +28,19 @@ class MLP(nn.Module):
         bias = config.mlp_bias if bias is None else bias
         self.gated = config.mlp in ("swiglu", "geglu")
         self.act = ACTIVATIONS[config.mlp]
+        self.register_module("gate_up_proj", None)  # gate and up rows in one matrix: set by decoderlm.model.fuse for inference
         self.gate_proj = nn.Linear(config.d_model, hidden, bias=bias) if self.gated else None
         self.up_proj = nn.Linear(config.d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, config.d_model, bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))
-        return self.dropout(self.down_proj(h))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., hidden) each
+            h = self.act(gate) * up
+        elif self.gated:
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
+        h = self.down_proj(h)
+        return self.dropout(h) if self.training else h

@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float() + self.offset if self.offset else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)  # one fused kernel
+        if self.offset:  # offset + w would round in bf16: add in fp32
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + self.offset, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # computes in fp32 for bf16/fp16 x, rounds once
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:

@@ -47,16 +47,23 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for the given positions. positions (B, T) → cos, sin (B, 1, T, rot_dim)."""
+    """cos and signed sin tables for the given positions. positions (B, T) → cos, sin (B, T, 1, rot_dim).
+
+    sin's first half is negated: rotating the pair (x1, x2) gives (x1·cos − x2·sin, x2·cos + x1·sin),
+    which is x·cos + (x2, x1)·(−sin, sin), so `apply_rope_` needs one roll instead of chunk, neg and cat."""
     angles = positions.float().unsqueeze(-1) * inv_freq.float()  # (B, T, rot_dim/2), fp32 even in a bf16 model
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (B, 1, T, rot_dim)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (B, T, rot_dim)
+    return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rot_dim channels of x (B, H, T, D); the rest pass through (partial rotary)."""
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate, in place, the first rot_dim channels of x (B, T, H, D); the rest pass through (partial rotary).
+    In place, so a fused projection's q and k are rotated in its own output, with no copy to split or cat.
+    Two products, each rounded, then their sum: addcmul_ would save an op but round once less, which
+    moves bf16 results off those of the plain formula."""
     rot_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+    rot = x if rot_dim == x.shape[-1] else x.narrow(-1, 0, rot_dim)
+    swapped = rot.roll(rot_dim // 2, dims=-1)  # (x2, x1)
+    rot.mul_(cos).add_(swapped.mul_(sin))
+    return x

@@ -56,7 +56,8 @@ class Block(nn.Module):
         if self.post_norm:
             x = x + self.input_layernorm(self.self_attn(x, rope, mask, cache))
             return x + self.post_attention_layernorm(self.mlp(x))
-        x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), rope, mask, cache))
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        x = x + (self.resid_dropout(h) if self.training else h)  # eval: no call at all, a decode step is op-bound
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,7 +133,7 @@ class Transformer(nn.Module):
                 raise DecoderLMError(f"sequence reaches position {int(positions.max())}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
             x = x + self.embed_positions(positions)
         else:
-            rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, 1, T, rot_dim) each
+            rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, T, 1, rot_dim) each
         x = self.dropout(x)
         if cache is not None:
             mask = cache.mask(T, attention_mask, cfg.sliding_window, x.dtype, x.device)
