@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import Cache, KVCache, RollingKVCache, cache_for
+from decoderlm.kv_cache import Cache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, sample
 
