@@ -50,6 +50,14 @@ def bucket(n_tokens: int, max_seq_len: int) -> int:
     return min(size, max_seq_len)
 
 
+class CompileFailed(Exception):
+    """A model whose step failed to compile before, on this machine with this code."""
+
+
+def one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class DecodeStep(nn.Module):
     """What is exported: (token (B, 1), pos ()) → logits (B, V), writing k/v into the cache in place.
     The cache buffers are registered here, so the package sees them as mutable constants."""
@@ -93,8 +101,9 @@ def cache_key(model: Transformer, max_len: int) -> str:
 class CompiledDecoder:
     """A model's compiled decode steps, one per cache size, each built once per machine and reused.
 
-    `new_cache(n)` gives a static cache for n tokens (reused between requests: stale slots are masked);
-    `step(token, cache)` is `generate.decode_step` through the compiled library."""
+    `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
+    through the compiled library. The library holds the cache's buffers, so each size has one cache,
+    reused by the next request (its stale slots are masked): one stream at a time per model."""
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
@@ -125,18 +134,26 @@ class CompiledDecoder:
         with torch.inference_mode(False):  # the buffers must be ordinary tensors to be exported
             cache = StaticKVCache(self.model.config, 1, size, dtype=param.dtype, device=param.device)
         path = cache_dir() / f"{cache_key(self.model, size)}.pt2"
+        failed = path.with_suffix(".failed")  # a model that cannot be compiled is not tried again on every run
         try:
+            if failed.is_file():
+                raise CompileFailed(f"{failed.read_text()} (earlier; delete {failed} to retry)")
             if not path.is_file():
                 print(f"compiling the decode step once for this model and machine (cached in {path.parent})",
                       file=sys.stderr, flush=True)
-                self._compile(DecodeStep(self.model, cache), path)
+                try:
+                    self._compile(DecodeStep(self.model, cache), path)
+                except Exception as e:
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(one_line(e))
+                    raise
             # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
             runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
             step = DecodeStep(self.model, cache)
             state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
             runner.load_constants({name: state[name] for name in runner.get_constant_fqns()}, False, True, True)  # user-managed: no copy
         except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
-            print(f"compiled decoding unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly",
+            print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",
                   file=sys.stderr, flush=True)
             return None
         self.caches[size] = cache

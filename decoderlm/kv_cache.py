@@ -5,7 +5,8 @@ factor. The model talks to any cache through the four methods of `Cache`: where 
 (`positions`), which cached keys each of them may see (`mask`), `update` from each attention layer,
 and `advance` once per forward. `KVCache` is the contiguous cache of one batch of equal-length rows;
 `RollingKVCache` keeps only a sliding-window model's last window of tokens (Mistral's rolling buffer);
-the serving engine's paged cache implements the same contract for rows of different lengths.
+`StaticKVCache` never changes shape, for a compiled decode step (`decoderlm.compiled`); the serving
+engine's paged cache implements the same contract for rows of different lengths.
 """
 
 from __future__ import annotations

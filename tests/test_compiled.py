@@ -113,9 +113,12 @@ def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_d
             torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
 
 
-def test_a_failed_compile_falls_back_to_eager_with_one_note(tmp_path, monkeypatch, capsys):
+def test_a_failed_compile_falls_back_to_eager_with_one_note_and_is_not_retried(tmp_path, monkeypatch, capsys):
+    exports = []
+
     def fail(*args, **kwargs):
-        raise RuntimeError("no compiler here")
+        exports.append(1)
+        raise RuntimeError("no compiler here\nmore detail")
 
     monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.export, "export", fail)
@@ -124,8 +127,14 @@ def test_a_failed_compile_falls_back_to_eager_with_one_note(tmp_path, monkeypatc
     eager = generate(model, [1, 2, 3], params)
     compiled.enable(model)
     assert generate(model, [1, 2, 3], params) == eager
-    err = capsys.readouterr().err.splitlines()
-    assert err == [f"{COMPILING} for this model and machine (cached in {tmp_path / 'compiled'})",
-                   "compiled decoding unavailable (RuntimeError: no compiler here); decoding eagerly"]
-    assert generate(model, [1, 2, 3], params) == eager  # the failure is remembered: no second attempt, no second note
+    assert capsys.readouterr().err.splitlines() == [
+        f"{COMPILING} for this model and machine (cached in {tmp_path / 'compiled'})",
+        "compiled decoding unavailable (RuntimeError: no compiler here); decoding eagerly"]
+    assert generate(model, [1, 2, 3], params) == eager  # the failure is remembered in this process: no second note
     assert capsys.readouterr().err == ""
+
+    compiled.enable(model)  # as a new process would: the failure is remembered on disk
+    assert generate(model, [1, 2, 3], params) == eager
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note.startswith("compiled decoding unavailable (RuntimeError: no compiler here (earlier; delete ")
+    assert len(exports) == 1
