@@ -79,7 +79,7 @@ class DecodeStep(nn.Module):
 
 def cache_key(model: Transformer, max_len: int) -> str:
     """A name for the package: it changes with the model's structure, weights, dtype and quantization,
-    the cache size, decoderlm's model code, the torch version and the CPU.
+    the cache size, decoderlm's model code, the torch version, the CPU and the thread count.
 
     The weights enter through their names, shapes, dtypes and a strided sample of their values (hashing
     every byte would add seconds to each start); the package reads the weights at run time anyway."""
@@ -88,7 +88,9 @@ def cache_key(model: Transformer, max_len: int) -> str:
     for name in SOURCES:
         for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
             h.update(path.read_bytes())
-    h.update(f"{torch.__version__} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} {max_len}".encode())
+    # Inductor writes the thread count into its CPU kernels, so --threads picks a package too.
+    h.update(f"{torch.__version__} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} "
+             f"threads {torch.get_num_threads()} slots {max_len}".encode())
     h.update(repr(model).encode())
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)

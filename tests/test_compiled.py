@@ -20,6 +20,7 @@ import decoderlm
 from decoderlm import compiled
 from decoderlm.generate import decode_step, generate, prefill
 from decoderlm.kv_cache import KVCache, StaticKVCache
+from decoderlm.quantize import quantize
 from decoderlm.sampling import SamplingParams
 from tests.conftest import configs, tiny_model
 from tests.hf_models import make_hf_model
@@ -58,6 +59,13 @@ def test_cache_key_follows_weights_and_dtype():
     assert compiled.cache_key(tiny_model(seed=1), 256) != key
     assert compiled.cache_key(model, 512) != key
     assert compiled.cache_key(tiny_model().to(torch.bfloat16), 256) != key
+    assert compiled.cache_key(quantize(tiny_model(), "int8"), 256) != key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert compiled.cache_key(model, 256) != key
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
