@@ -7,8 +7,9 @@ reading the weights. A compiled step runs fused kernels with no Python between t
 rather than torch.compile because a later run only loads the library (~0.05 s); torch.compile traces
 the model again in every process even when its kernels are cached on disk (measured: tens of seconds).
 
-The package holds code only: the weights and the cache buffers stay the model's own tensors, handed to
-the library as user-managed constants (no copy). One package serves every position (the position is a
+At run time the library computes with the model's own weights and cache buffers, handed to it as
+user-managed constants (no copy); the package also holds the weights as they were at compile time,
+for the constants inductor derives from them (int4 weights repacked), which is why the key includes them. One package serves every position (the position is a
 tensor input); it is built per cache size, rounded up to a power of two (`bucket`), because attention
 reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
@@ -153,7 +154,9 @@ class CompiledDecoder:
             runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
             step = DecodeStep(self.model, cache)
             state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
-            runner.load_constants({name: state[name] for name in runner.get_constant_fqns()}, False, True, True)  # user-managed: no copy
+            # Ours, user-managed (no copy): the weights and the cache buffers, which prefill writes eagerly.
+            # The rest (e.g. int4 weights repacked at compile time) come from the package.
+            runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
         except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
             print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",
                   file=sys.stderr, flush=True)
@@ -162,15 +165,14 @@ class CompiledDecoder:
         return runner
 
     def _compile(self, step: DecodeStep, path: Path) -> None:
-        """Export the step for one token and build its package, weights left out (they are the model's)."""
+        """Export the step for one token and build its package."""
         param = next(self.model.parameters())
         example = (torch.zeros(1, 1, dtype=torch.long, device=param.device), torch.zeros((), dtype=torch.long, device=param.device))
         with torch.inference_mode(False), torch.no_grad():
             program = torch.export.export(step, example)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
         self.compiles += 1
 

@@ -121,6 +121,17 @@ def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_d
             torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
 
 
+def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
+    """int4 layers, and int8 ones where the shape does not fit int4 (the 37-token head, the 48-wide down_proj)."""
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    model = quantize(tiny_model(), "int4")
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    eager = generate(model, [3, 1, 4, 1, 5], params)
+    compiled.enable(model)
+    assert generate(model, [3, 1, 4, 1, 5], params) == eager
+    assert model.compiled_decoder.compiles == 1 and model.compiled_decoder.runners[64] is not None
+
+
 def test_a_failed_compile_falls_back_to_eager_with_one_note_and_is_not_retried(tmp_path, monkeypatch, capsys):
     exports = []
 
