@@ -8,10 +8,10 @@ rather than torch.compile because a later run only loads the library (~0.05 s); 
 the model again in every process even when its kernels are cached on disk (measured: tens of seconds).
 
 At run time the library computes with the model's own weights and cache buffers, handed to it as
-user-managed constants (no copy); the package also holds the weights as they were at compile time,
-for the constants inductor derives from them (int4 weights repacked), which is why the key includes them. One package serves every position (the position is a
-tensor input); it is built per cache size, rounded up to a power of two (`bucket`), because attention
-reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
+user-managed constants (no copy); the package also holds the weights as they were at compile time, for
+the constants inductor derives from them (int4 weights repacked), which is why the key includes them.
+One package serves every position (the position is a tensor input); it is built per cache size,
+rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
 """
 
