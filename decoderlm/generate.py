@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import Cache, KVCache, RollingKVCache, cache_for
+from decoderlm.kv_cache import Cache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, sample
 
@@ -68,8 +68,12 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
     if not params.max_new_tokens:
         return
     # Slots: the prompt, plus one per sampled token but the last (it needs no forward pass).
-    cache: KVCache | RollingKVCache | None = cache_for(
-        model.config, 1, min(len(ids) + params.max_new_tokens - 1, max_len), dtype=param.dtype, device=param.device)
+    n_slots = min(len(ids) + params.max_new_tokens - 1, max_len)
+    compiled = getattr(model, "compiled_decoder", None)  # set by decoderlm.compiled.enable (--compile)
+    cache: Cache | None = compiled.new_cache(n_slots) if compiled is not None else None
+    if cache is None:
+        compiled = None
+        cache = cache_for(model.config, 1, n_slots, dtype=param.dtype, device=param.device)
     logits = prefill(model, torch.tensor([ids], device=param.device), cache)
     for n in range(params.max_new_tokens):
         token = sample(logits, params, generator, seen, len(prompt_ids))  # (1,)
@@ -83,7 +87,7 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
         if seen is not None:
             seen = torch.cat((seen, token[:, None]), dim=1)
         if cache is not None and cache.length < max_len:
-            logits = decode_step(model, token, cache)
+            logits = compiled.step(token, cache) if compiled is not None else decode_step(model, token, cache)
         else:  # the context is full: slide the window
             cache = None
             window = torch.tensor([ids[-max_len:]], device=param.device)

@@ -5,7 +5,8 @@ factor. The model talks to any cache through the four methods of `Cache`: where 
 (`positions`), which cached keys each of them may see (`mask`), `update` from each attention layer,
 and `advance` once per forward. `KVCache` is the contiguous cache of one batch of equal-length rows;
 `RollingKVCache` keeps only a sliding-window model's last window of tokens (Mistral's rolling buffer);
-the serving engine's paged cache implements the same contract for rows of different lengths.
+`StaticKVCache` never changes shape, for a compiled decode step (`decoderlm.compiled`); the serving
+engine's paged cache implements the same contract for rows of different lengths.
 """
 
 from __future__ import annotations
@@ -136,3 +137,52 @@ def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.d
     if config.sliding_window is not None and config.sliding_window <= max_len:
         return RollingKVCache(config, batch_size, dtype, device)
     return KVCache(config, batch_size, max_len, dtype, device)
+
+
+class StaticKVCache:
+    """A cache whose shapes never change, for a compiled decode step: fixed (B, Hkv, max_len, D) buffers,
+    written by index at a position tensor, and a mask over all max_len slots built from positions.
+
+    `KVCache` slices its buffers to the filled length, so every step has new shapes and a compiled
+    graph would be rebuilt per position. Here the next free slot is a tensor (`pos`), not a Python int:
+    a graph reads it like any input, so ONE graph serves every position. Slot s holds position s (one
+    batch of equal-length rows, no padding), and the causal rule k ≤ q alone hides the unwritten slots.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, L, D)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.max_len = max_len
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # the first free slot
+
+    @property
+    def length(self) -> int:
+        """Slots already filled (a host sync: for the loop around the step, not inside it)."""
+        return int(self.pos)
+
+    def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        if attention_mask is not None:
+            raise DecoderLMError("StaticKVCache holds rows of equal length; use KVCache for padded batches")
+        return (self.pos + torch.arange(T, device=self.pos.device))[None]  # (1, T)
+
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        slots = torch.arange(self.max_len, device=self.pos.device)[None]  # (1, L): slot s holds position s
+        return build_mask(self.positions(T, attention_mask, device), slots, window, dtype)  # (1, 1, T, L)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the whole buffers (B, Hkv, L, D)."""
+        T = k.shape[2]
+        if not torch.compiler.is_compiling() and self.length + T > self.max_len:  # a compiled step is checked by its caller
+            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + T}")
+        slots = self.pos + torch.arange(T, device=self.pos.device)  # (T,)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int) -> None:
+        self.pos.add_(n)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from decoderlm import compiled
 from decoderlm.errors import DecoderLMError
 from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
@@ -66,11 +67,16 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) ->
     add_seed_flag(g)
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """How to run the model: every command that runs one takes these."""
+def add_model_flags(p: argparse.ArgumentParser, compile: bool = False) -> None:
+    """How to run the model: every command that runs one takes these; commands that decode token by
+    token (generate, chat) also take --compile."""
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--quantize", default=None, choices=list(MODES),
                    help="quantize weights for faster CPU decoding (decode vs fp32: int4 ~3x, int8 ~2x; logits move slightly)")
+    if compile:
+        p.add_argument("--compile", action="store_true",
+                       help="decode through a compiled step (built once per model and machine, cached in $DECODERLM_CACHE "
+                            "or ~/.cache/decoderlm; eager if compiling fails)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
@@ -86,13 +92,16 @@ def apply_run_flags(args: argparse.Namespace) -> torch.device:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
-    """The model and tokenizer named by --model, with --dtype, --quantize, --threads and --device applied.
+    """The model and tokenizer named by --model, with --dtype, --quantize, --threads, --device and --compile applied.
     Sampling flags, where the command has them, are checked first: a bad value fails before the load."""
     source = model_source(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    return load(source, dtype=args.dtype, quantize=args.quantize, device=device)
+    model, tokenizer = load(source, dtype=args.dtype, quantize=args.quantize, device=device)
+    if getattr(args, "compile", False):
+        compiled.enable(model)
+    return model, tokenizer
 
 
 def check_out_file(path: str | Path, what: str = "--out") -> Path:

@@ -1,0 +1,183 @@
+"""A compiled one-token decode step: the model's forward over a `StaticKVCache`, built ahead of time by
+AOTInductor into a shared library and cached on disk, so its one-off cost is paid once per model and
+machine, not on every run.
+
+Why: on a small model an eager step is bound by PyTorch's per-op overhead (~50 ops per layer), not by
+reading the weights. A compiled step runs fused kernels with no Python between them. AOTInductor
+rather than torch.compile because a later run only loads the library (~0.05 s); torch.compile traces
+the model again in every process even when its kernels are cached on disk (measured: tens of seconds).
+
+At run time the library computes with the model's own weights and cache buffers, handed to it as
+user-managed constants (no copy); the package also holds the weights as they were at compile time, for
+the constants inductor derives from them (int4 weights repacked), which is why the key includes them.
+One package serves every position (the position is a tensor input); it is built per cache size,
+rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
+building or loading fails, `decode_step` is used and one line on stderr says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import decoderlm
+from decoderlm.kv_cache import StaticKVCache
+from decoderlm.model import Transformer
+
+MIN_BUCKET = 256
+# Code the compiled graph is made of: editing any of it must not reuse an old package.
+SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py")
+
+
+def cache_dir() -> Path:
+    """Where packages live: $DECODERLM_CACHE, else ~/.cache/decoderlm."""
+    root = os.environ.get("DECODERLM_CACHE") or Path.home() / ".cache" / "decoderlm"
+    return Path(root) / "compiled"
+
+
+def bucket(n_tokens: int, max_seq_len: int) -> int:
+    """The static cache size for a sequence of up to n_tokens: the next power of two ≥ MIN_BUCKET,
+    capped at the model's context."""
+    size = MIN_BUCKET
+    while size < n_tokens:
+        size *= 2
+    return min(size, max_seq_len)
+
+
+class CompileFailed(Exception):
+    """A model whose step failed to compile before, on this machine with this code."""
+
+
+def one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class DecodeStep(nn.Module):
+    """What is exported: (token (B, 1), pos ()) → logits (B, V), writing k/v into the cache in place.
+    The cache buffers are registered here, so the package sees them as mutable constants."""
+
+    def __init__(self, model: Transformer, cache: StaticKVCache) -> None:
+        super().__init__()
+        self.model, self.view = model, copy.copy(cache)  # the view's lists are swapped while tracing; the cache's stay
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            self.register_buffer(f"k{i}", k)
+            self.register_buffer(f"v{i}", v)
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        n = len(self.view.k)
+        self.view.k = [getattr(self, f"k{i}") for i in range(n)]  # the traced buffers, not the originals
+        self.view.v = [getattr(self, f"v{i}") for i in range(n)]
+        self.view.pos = pos.clone()  # the caller advances the real position after the step
+        return self.model(token, cache=self.view, logits_to_keep=1).logits[:, -1]
+
+
+def cache_key(model: Transformer, max_len: int) -> str:
+    """A name for the package: it changes with the model's structure, weights, dtype and quantization,
+    the cache size, decoderlm's model code, the torch version, the CPU and the thread count.
+
+    The weights enter through their names, shapes, dtypes and a strided sample of their values (hashing
+    every byte would add seconds to each start); the package reads the weights at run time anyway."""
+    h = hashlib.sha256()
+    root = Path(decoderlm.__file__).parent
+    for name in SOURCES:
+        for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+            h.update(path.read_bytes())
+    # Inductor writes the thread count into its CPU kernels, so --threads picks a package too.
+    h.update(f"{torch.__version__} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} "
+             f"threads {torch.get_num_threads()} slots {max_len}".encode())
+    h.update(repr(model).encode())
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 256)].contiguous()
+        h.update(f"{name} {tuple(t.shape)} {t.dtype}".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+class CompiledDecoder:
+    """A model's compiled decode steps, one per cache size, each built once per machine and reused.
+
+    `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
+    through the compiled library. The library holds the cache's buffers, so each size has one cache,
+    reused by the next request (its stale slots are masked): one stream at a time per model."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.runners: dict[int, object] = {}  # cache size → loaded package, or None when it failed
+        self.caches: dict[int, StaticKVCache] = {}
+        self.compiles = 0  # packages built by this process (tests check a second process builds none)
+
+    def new_cache(self, n_tokens: int) -> StaticKVCache | None:
+        """A fresh static cache for up to n_tokens, its package loaded (built first if missing);
+        None when compiling failed and decoding must stay eager."""
+        size = bucket(n_tokens, self.model.config.max_seq_len)
+        if size not in self.runners:
+            self.runners[size] = self._load(size)
+        if self.runners[size] is None:
+            return None
+        cache = self.caches[size]
+        cache.pos.zero_()
+        return cache
+
+    def step(self, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Feed one token per row (B,) at the cache's next position; return its logits (B, V)."""
+        (logits,) = self.runners[cache.max_len].boxed_run([token[:, None], cache.pos])
+        cache.advance(1)
+        return logits
+
+    def _load(self, size: int):
+        param = next(self.model.parameters())
+        with torch.inference_mode(False):  # the buffers must be ordinary tensors to be exported
+            cache = StaticKVCache(self.model.config, 1, size, dtype=param.dtype, device=param.device)
+        path = cache_dir() / f"{cache_key(self.model, size)}.pt2"
+        failed = path.with_suffix(".failed")  # a model that cannot be compiled is not tried again on every run
+        try:
+            if failed.is_file():
+                raise CompileFailed(f"{failed.read_text()} (earlier; delete {failed} to retry)")
+            if not path.is_file():
+                print(f"compiling the decode step once for this model and machine (cached in {path.parent})",
+                      file=sys.stderr, flush=True)
+                try:
+                    self._compile(DecodeStep(self.model, cache), path)
+                except Exception as e:
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(one_line(e))
+                    raise
+            # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            step = DecodeStep(self.model, cache)
+            state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+            # Ours, user-managed (no copy): the weights and the cache buffers, which prefill writes eagerly.
+            # The rest (e.g. int4 weights repacked at compile time) come from the package.
+            runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
+        except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
+            print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",
+                  file=sys.stderr, flush=True)
+            return None
+        self.caches[size] = cache
+        return runner
+
+    def _compile(self, step: DecodeStep, path: Path) -> None:
+        """Export the step for one token and build its package."""
+        param = next(self.model.parameters())
+        example = (torch.zeros(1, 1, dtype=torch.long, device=param.device), torch.zeros((), dtype=torch.long, device=param.device))
+        with torch.inference_mode(False), torch.no_grad():
+            program = torch.export.export(step, example)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
+        self.compiles += 1
+
+
+def enable(model: Transformer) -> Transformer:
+    """Make `generate` decode `model` through compiled steps (built on first use)."""
+    model.compiled_decoder = CompiledDecoder(model)
+    return model

@@ -1,0 +1,159 @@
+"""The static-shape cache and the compiled decode step: the same numbers as the eager path, built once
+per model and machine (a second process loads the package instead of compiling), eager on failure.
+
+One tiny Llama checkpoint is compiled once for the whole module (by the first CLI run below); the
+other compiled tests load that package from the same cache folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import decoderlm
+from decoderlm import compiled
+from decoderlm.generate import decode_step, generate, prefill
+from decoderlm.kv_cache import KVCache, StaticKVCache
+from decoderlm.quantize import quantize
+from decoderlm.sampling import SamplingParams
+from tests.conftest import configs, tiny_model
+from tests.hf_models import make_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILING = "compiling the decode step once"
+
+
+@given(cfg=configs(), prompt_len=st.integers(1, 6), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_static_cache_matches_kv_cache_step_by_step(cfg, prompt_len, steps, seed):
+    model = tiny_model(seed, **cfg)
+    max_len = prompt_len + steps + 3  # spare slots: they must stay invisible
+    static, plain = StaticKVCache(model.config, 1, max_len), KVCache(model.config, 1, max_len)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len + steps), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.testing.assert_close(prefill(model, ids[:, :prompt_len], static), prefill(model, ids[:, :prompt_len], plain), atol=1e-5, rtol=1e-5)
+        for t in range(prompt_len, prompt_len + steps):
+            torch.testing.assert_close(decode_step(model, ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-5, rtol=1e-5)
+            assert static.length == plain.length == t + 1
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(static.k[layer][:, :, : plain.length], plain.k[layer][:, :, : plain.length])
+        torch.testing.assert_close(static.v[layer][:, :, : plain.length], plain.v[layer][:, :, : plain.length])
+
+
+def test_static_cache_refuses_to_overflow():
+    model = tiny_model()
+    cache = StaticKVCache(model.config, 1, 4)
+    with torch.no_grad(), pytest.raises(decoderlm.DecoderLMError, match="holds 4 tokens"):
+        prefill(model, torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+def test_cache_key_follows_weights_and_dtype():
+    model = tiny_model()
+    key = compiled.cache_key(model, 256)
+    assert compiled.cache_key(tiny_model(), 256) == key  # the same weights: the same package
+    assert compiled.cache_key(tiny_model(seed=1), 256) != key
+    assert compiled.cache_key(model, 512) != key
+    assert compiled.cache_key(tiny_model().to(torch.bfloat16), 256) != key
+    assert compiled.cache_key(quantize(tiny_model(), "int8"), 256) != key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert compiled.cache_key(model, 256) != key
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def package_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("decoderlm-cache")
+
+
+def run_generate(checkpoint: Path, cache: Path, *flags: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "decoderlm", "generate", "--model", str(checkpoint), "--prompt", "The quick brown",
+            "--temperature", "0", "--max-new-tokens", "12", "--threads", "1", *flags]
+    env = {**os.environ, "DECODERLM_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, package_dir):
+    eager = run_generate(checkpoint, package_dir)
+    first = run_generate(checkpoint, package_dir, "--compile")
+    assert first.stderr.count(COMPILING) == 1 and "eagerly" not in first.stderr, first.stderr
+    packages = list((package_dir / "compiled").glob("*.pt2"))
+    assert len(packages) == 1
+    second = run_generate(checkpoint, package_dir, "--compile")
+    assert COMPILING not in second.stderr and "eagerly" not in second.stderr, second.stderr
+    assert list((package_dir / "compiled").glob("*.pt2")) == packages
+    assert first.stdout == second.stdout == eager.stdout
+
+
+def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_dir, monkeypatch):
+    monkeypatch.setenv("DECODERLM_CACHE", str(package_dir))  # the package the CLI test built, if it ran first
+    model, _ = decoderlm.load(checkpoint)
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    prompts = [[5, 17, 3], list(range(40, 90)), [7] * 9]
+    eager = [generate(model, p, params) for p in prompts]
+    compiled.enable(model)
+    assert [generate(model, p, params) for p in prompts] == eager
+    assert model.compiled_decoder.compiles <= 1  # all three prompts share one cache size: one package
+
+    decoder = model.compiled_decoder
+    static, plain = decoder.new_cache(30), KVCache(model.config, 1, 30)
+    ids = torch.tensor([list(range(10, 30))])
+    with torch.inference_mode():
+        prefill(model, ids[:, :5], static)
+        prefill(model, ids[:, :5], plain)
+        for t in range(5, 20):
+            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
+
+
+def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
+    """int4 layers, and int8 ones where the shape does not fit int4 (the 37-token head, the 48-wide down_proj)."""
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    model = quantize(tiny_model(), "int4")
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    eager = generate(model, [3, 1, 4, 1, 5], params)
+    compiled.enable(model)
+    assert generate(model, [3, 1, 4, 1, 5], params) == eager
+    assert model.compiled_decoder.compiles == 1 and model.compiled_decoder.runners[64] is not None
+
+
+def test_a_failed_compile_falls_back_to_eager_with_one_note_and_is_not_retried(tmp_path, monkeypatch, capsys):
+    exports = []
+
+    def fail(*args, **kwargs):
+        exports.append(1)
+        raise RuntimeError("no compiler here\nmore detail")
+
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.export, "export", fail)
+    model = tiny_model()
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    eager = generate(model, [1, 2, 3], params)
+    compiled.enable(model)
+    assert generate(model, [1, 2, 3], params) == eager
+    assert capsys.readouterr().err.splitlines() == [
+        f"{COMPILING} for this model and machine (cached in {tmp_path / 'compiled'})",
+        "compiled decoding unavailable (RuntimeError: no compiler here); decoding eagerly"]
+    assert generate(model, [1, 2, 3], params) == eager  # the failure is remembered in this process: no second note
+    assert capsys.readouterr().err == ""
+
+    compiled.enable(model)  # as a new process would: the failure is remembered on disk
+    assert generate(model, [1, 2, 3], params) == eager
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note.startswith("compiled decoding unavailable (RuntimeError: no compiler here (earlier; delete ")
+    assert len(exports) == 1
