@@ -139,7 +139,7 @@ def tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("smollm")  # the embedded model's word splitting (llama.cpp knows no "gpt2")
     w.add_token_list(tokens)
     w.add_token_types([1] * (len(tokens) - len(specials)) + [3] * len(specials))
     w.add_token_merges(["Ġ t", "h e"])

@@ -26,6 +26,7 @@ def benchmark(name: str) -> ModuleType:
     sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their sibling modes.py
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -88,3 +89,15 @@ def test_the_mode_table_covers_every_quantization_and_its_flags_load_the_same_mo
     for name, kwargs in modes.MODES.items():
         args = build_parser().parse_args(["chat", "--message", "hi", *modes.cli_flags(kwargs)])
         assert {k: getattr(args, k) for k in kwargs} == kwargs, name
+
+
+def test_cold_start_reports_the_childs_own_peak_memory_not_the_parents() -> None:
+    """A forked child starts from its parent's peak RSS; the benchmark's parent holds every model, so the
+    child must be measured from a small launcher, or every mode would show the parent's memory."""
+    import torch
+
+    generate_speed = benchmark("generate_speed")
+    ballast = torch.ones(600 * 10**6 // 4)  # 600 MB held by this process while the child runs
+    run = generate_speed.cold_run([sys.executable, "-c", "b = b'x' * (150 * 10**6); print('ready', flush=True)"])
+    assert 150 < run.peak_rss_mb < 400 and ballast.sum() > 0
+    assert 0 < run.first_output_s < 60
