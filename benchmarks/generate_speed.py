@@ -15,7 +15,9 @@ shows there instead of in every run.
 
     python benchmarks/generate_speed.py [--repeats 5] [--new-tokens 128] [--prompt-tokens 128] [--threads N] [--cold-runs 3]
 
---repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass.
+--repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass. Run benchmarks/quality.py first:
+its results mark which modes are faithful (perplexity within 1 % of fp32), and the fastest of those
+is named, since the issue's targets are set for it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from modes import MODES, cli_flags  # noqa: E402  (a sibling file; benchmarks/ i
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "generate_speed.json"
+QUALITY = Path(__file__).parent / "results" / "quality.json"  # written by quality.py
 TEXT = ("The history of the decoder-only Transformer begins with language modelling: predict the next token "
         "from the tokens before it. Stacking causal self-attention and feed-forward blocks, ") * 20
 Engine = Callable[[list[int], int], Iterable[int]]
@@ -135,6 +138,14 @@ def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
             yield tok
 
     return run
+
+
+def faithful_modes() -> dict[str, bool]:
+    """decoderlm engine name → whether quality.py found that mode faithful; empty before quality.py has run."""
+    if not QUALITY.is_file():
+        return {}
+    modes = json.loads(QUALITY.read_text())["modes"]
+    return {f"decoderlm {mode}": row["faithful"] for mode, row in modes.items() if row["engine"] == "decoderlm"}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -278,12 +289,19 @@ def main() -> None:
     gguf = locate(DEFAULT_MODEL)
 
     rows, reference = speed(gguf, names, args) if args.repeats > 0 else ({}, None)
+    faithful = faithful_modes()
+    fastest = max((n for n in rows if faithful.get(n)), key=lambda n: rows[n]["decode_tok_s"], default=None)
+    if fastest:
+        vs = f", {rows[fastest]['vs_llama.cpp_decode']:.2f}× llama.cpp" if "vs_llama.cpp_decode" in rows[fastest] else ""
+        print(f"fastest faithful mode (per {QUALITY.name}): {fastest}, {rows[fastest]['decode_tok_s']:.1f} decode tok/s{vs}")
+    elif rows:
+        print(f"faithful modes unknown: run benchmarks/quality.py first (it writes {QUALITY.name})")
     cold_rows = cold(gguf, names, args) if args.cold_runs > 0 else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": DEFAULT_MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "threads": args.threads, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "greedy_reference": reference, "engines": rows, "cold_start": cold_rows,
+        "greedy_reference": reference, "engines": rows, "faithful": faithful, "fastest_faithful": fastest, "cold_start": cold_rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 

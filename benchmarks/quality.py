@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoderlm import load
+from decoderlm import Transformer, load
 from decoderlm.names import DEFAULT_MODEL, locate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,12 +78,16 @@ def texts(tokenizer, shakespeare: Path, positions: int) -> dict[str, list[int]]:
 
 
 @torch.inference_mode()
-def decoderlm_predictions(source: Path, load_kwargs: dict, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
-    model, _ = load(source, **load_kwargs)
+def predictions(model: Transformer, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
     if model.config.max_seq_len < max(map(len, inputs.values())):
         raise SystemExit(f"the model's context ({model.config.max_seq_len}) is shorter than --positions + 1; lower --positions")
-    out = {name: from_logits(model(torch.tensor([ids])).logits[0].float(), ids) for name, ids in inputs.items()}
-    del model
+    return {name: from_logits(model(torch.tensor([ids])).logits[0].float(), ids) for name, ids in inputs.items()}
+
+
+def mode_predictions(gguf: Path, load_kwargs: dict, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
+    model, _ = load(gguf, **load_kwargs)
+    out = predictions(model, inputs)
+    del model  # one model in memory at a time
     gc.collect()
     return out
 
@@ -190,14 +194,15 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         gguf = tiny_gguf(Path(tmp) / "tiny.gguf") if args.quick else locate(DEFAULT_MODEL)
-        _, tokenizer = load(gguf)
-        inputs = texts(tokenizer, args.shakespeare, args.positions)
         # The reference is its own load and forward, so fp32's row (100 % agreement) checks that runs repeat exactly.
-        reference = decoderlm_predictions(gguf, MODES[REFERENCE], inputs)
+        model, tokenizer = load(gguf, **MODES[REFERENCE])
+        inputs = texts(tokenizer, args.shakespeare, args.positions)
+        reference = predictions(model, inputs)
+        del model
         preds, seconds, rows, skipped = {}, {}, {}, {}
         for mode in modes:
             t0 = time.perf_counter()
-            preds[mode] = decoderlm_predictions(gguf, MODES[mode], inputs)
+            preds[mode] = mode_predictions(gguf, MODES[mode], inputs)
             seconds[mode] = time.perf_counter() - t0
         if LLAMA_CPP in wanted:
             t0 = time.perf_counter()
