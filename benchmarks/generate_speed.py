@@ -43,7 +43,7 @@ from decoderlm import SamplingParams, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from modes import MODES, cli_flags  # noqa: E402  (a sibling file; benchmarks/ is not a package)
+from modes import MODES, cli_flags  # a sibling file: benchmarks/ is not a package
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "generate_speed.json"

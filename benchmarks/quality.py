@@ -37,7 +37,7 @@ from decoderlm import Transformer, load
 from decoderlm.names import DEFAULT_MODEL, locate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from modes import MODES, REFERENCE  # noqa: E402  (a sibling file; benchmarks/ is not a package)
+from modes import MODES, REFERENCE  # a sibling file: benchmarks/ is not a package
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "quality.json"

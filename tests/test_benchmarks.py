@@ -38,7 +38,7 @@ def quality_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     text.write_text(corpus_text(8000), encoding="utf-8")
     out = tmp / "quality.json"
     proc = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick", "--positions", str(POSITIONS), "--shakespeare", str(text),
-                           "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "top-1 agree" in proc.stdout
     return json.loads(out.read_text()), text
