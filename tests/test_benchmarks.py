@@ -23,7 +23,6 @@ POSITIONS = 512
 
 
 def benchmark(name: str) -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their sibling modes.py
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
