@@ -1,25 +1,40 @@
 """Generation speed on this machine: decoderlm vs HF transformers vs llama.cpp, same model, same run.
 
-The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in fp32 (the
-default), bf16, and with int8 / int4 weights (`--quantize`); transformers dequantizes it to fp32;
-llama.cpp (llama-cpp-python, optional) runs the Q4_1 weights as they are. Each engine streams greedy
-tokens for the same prompt ids; time to the first token measures prefill, the rest measures decode.
-Engines are interleaved within each repeat and the median over repeats is reported, so a slow moment
-of the machine hits every engine alike.
+The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
+of benchmarks/modes.py (fp32, the default; bf16; int8 / int4 weights, ...); transformers dequantizes
+it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs the Q4_1 weights as they
+are. Each engine streams greedy tokens for the same prompt ids; time to the first token measures
+prefill, the rest measures decode. Engines are interleaved within each repeat and the median over
+repeats is reported, so a slow moment of the machine hits every engine alike.
 
-    python benchmarks/generate_speed.py [--repeats 5] [--new-tokens 64] [--prompt-tokens 128] [--threads N]
+A second pass starts each decoderlm mode cold, as a user would: `decoderlm chat --message ...` in a
+fresh process, timed from the process's start to its first streamed byte, with the process's peak
+RSS (its ru_maxrss); the imports alone and llama.cpp's own cold start are measured beside them. The
+first of these runs is reported apart from the median, so a one-off cost (a compile cached on disk)
+shows there instead of in every run.
+
+    python benchmarks/generate_speed.py [--repeats 5] [--new-tokens 128] [--prompt-tokens 128] [--threads N] [--cold-runs 3]
+
+--repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass. Run benchmarks/quality.py first:
+its results mark which modes are faithful (perplexity within 1 % of fp32), and the fastest of those
+is named, since the issue's targets are set for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import queue
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +42,33 @@ import torch
 from decoderlm import SamplingParams, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
+sys.path.insert(0, str(Path(__file__).parent))
+from modes import MODES, cli_flags  # a sibling file: benchmarks/ is not a package
+
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "generate_speed.json"
+QUALITY = Path(__file__).parent / "results" / "quality.json"  # written by quality.py
 TEXT = ("The history of the decoder-only Transformer begins with language modelling: predict the next token "
         "from the tokens before it. Stacking causal self-attention and feed-forward blocks, ") * 20
 Engine = Callable[[list[int], int], Iterable[int]]
-DECODERLM = {"decoderlm fp32": ("float32", None), "decoderlm bf16": ("bfloat16", None),
-             "decoderlm int8": ("float32", "int8"), "decoderlm int4": ("float32", "int4")}
+DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
+TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
+BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
+COLD_MESSAGE = "What is the capital of France?"
+IMPORTS_ONLY = "python + torch + decoderlm"
+SPAWN = """import os, sys
+pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""  # argv: the file for the child's peak RSS, then the command
+LLAMA_CPP_COLD = """import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=int(sys.argv[2]), verbose=False)
+for chunk in llm.create_chat_completion([{"role": "user", "content": sys.argv[3]}], max_tokens=4, temperature=0, stream=True):
+    print(chunk["choices"][0]["delta"].get("content", ""), end="", flush=True)
+"""
 
 
 def timed(tokens: Iterable[int]) -> tuple[float, float, list[int]]:
@@ -46,12 +82,12 @@ def timed(tokens: Iterable[int]) -> tuple[float, float, list[int]]:
     return t_first, time.perf_counter() - t0 - t_first, out
 
 
-def decoderlm_engine(gguf: Path, dtype: str, quantize: str | None) -> Engine:
-    model, _ = load(gguf, dtype=dtype, quantize=quantize)
+def decoderlm_engine(gguf: Path, load_kwargs: dict) -> Engine:
+    model, _ = load(gguf, **load_kwargs)
     return lambda ids, n: stream(model, ids, SamplingParams(temperature=0, max_new_tokens=n))
 
 
-def transformers_engine(gguf: Path) -> Engine:
+def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -59,7 +95,7 @@ def transformers_engine(gguf: Path) -> Engine:
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = LlamaForCausalLM(config)
     model.load_state_dict(load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"], strict=False)
-    model.eval()
+    model.to(dtype).eval()
 
     class Streamer:  # transformers calls put() with the prompt first, then with each new token
         def __init__(self) -> None:
@@ -104,37 +140,36 @@ def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
     return run
 
 
+def faithful_modes() -> dict[str, bool]:
+    """decoderlm engine name → whether quality.py found that mode faithful; empty before quality.py has run."""
+    if not QUALITY.is_file():
+        return {}
+    modes = json.loads(QUALITY.read_text())["modes"]
+    return {f"decoderlm {mode}": row["faithful"] for mode, row in modes.items() if row["engine"] == "decoderlm"}
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
-    ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(DECODERLM)}, transformers, llama.cpp")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    gguf = locate(DEFAULT_MODEL)
+def speed(gguf: Path, names: list[str], args: argparse.Namespace) -> tuple[dict[str, dict], str | None]:
+    """The speed pass: every engine streams greedy tokens for the same prompt ids, interleaved within each
+    repeat. Returns (a row per engine, the engine whose greedy tokens the others are compared with)."""
     _, tokenizer = load(gguf)
     ids = tokenizer.encode(TEXT)[: args.prompt_tokens]
     builders: dict[str, Callable[[], Engine | None]] = {
-        **{name: (lambda d=d, q=q: decoderlm_engine(gguf, d, q)) for name, (d, q) in DECODERLM.items()},
-        "transformers": lambda: transformers_engine(gguf),
+        **{name: (lambda kw=kw: decoderlm_engine(gguf, kw)) for name, kw in DECODERLM.items()},
+        **{name: (lambda dt=dt: transformers_engine(gguf, dt)) for name, dt in TRANSFORMERS.items()},
         "llama.cpp": lambda: llamacpp_engine(gguf, args.threads),
     }
     engines: dict[str, Engine] = {}
     load_s: dict[str, float] = {}
-    for name in args.engines or builders:
+    for name in names:
         t0 = time.perf_counter()
         engine = builders[name]()
         load_s[name] = time.perf_counter() - t0
         if engine is None:
-            print(f"{name}: not installed (pip install llama-cpp-python) — skipped")
+            print(f"{name}: llama-cpp-python is not installed or does not import (pip install llama-cpp-python) — skipped")
         else:
             engines[name] = engine
 
@@ -152,26 +187,121 @@ def main() -> None:
     for name, s in samples.items():
         rows[name] = {"prefill_tok_s": statistics.median(p for p, _ in s), "decode_tok_s": statistics.median(d for _, d in s),
                       "load_s": load_s[name]}
-    reference = outputs.get("transformers", outputs.get("decoderlm fp32"))
+    ref_name = next((n for n in ("transformers", "decoderlm fp32") if n in outputs), None)
+    reference = outputs.get(ref_name)
     print(f"\nSmolLM2-135M-Instruct, {len(ids)} prompt tokens, {args.new_tokens} greedy tokens, "
           f"{args.threads} threads, median of {args.repeats}; ratios are this engine's speed ÷ the other's")
-    bases = [b for b in ("transformers", "llama.cpp") if b in rows]
-    header = "".join(f"{'÷ ' + b + ' (pre/dec)':>28}" for b in bases)
-    print(f"{'engine':<16}{'load s':>7}{'prefill tok/s':>15}{'decode tok/s':>14}{header}{'same greedy tokens':>20}")
+    bases = [b for b in BASES if b in rows]
+    header = "".join(f"{'÷ ' + b + ' (pre/dec)':>30}" for b in bases)
+    print(f"{'engine':<20}{'load s':>7}{'prefill tok/s':>15}{'decode tok/s':>14}{header}{'same greedy tokens':>20}")
     for name, r in rows.items():
         for b in bases:
             r[f"vs_{b}_prefill"] = r["prefill_tok_s"] / rows[b]["prefill_tok_s"]
             r[f"vs_{b}_decode"] = r["decode_tok_s"] / rows[b]["decode_tok_s"]
         r["greedy_tokens_matching_reference"] = common_prefix(outputs[name], reference) if reference else None
-        ratios = "".join(f"{r[f'vs_{b}_prefill']:>19.2f} / {r[f'vs_{b}_decode']:<6.2f}" for b in bases)
-        print(f"{name:<16}{r['load_s']:>7.1f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{ratios}"
+        ratios = "".join(f"{r[f'vs_{b}_prefill']:>21.2f} / {r[f'vs_{b}_decode']:<6.2f}" for b in bases)
+        print(f"{name:<20}{r['load_s']:>7.1f}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{ratios}"
               f"{str(r['greedy_tokens_matching_reference']) + '/' + str(len(reference or [])):>20}")
-    print("same greedy tokens: leading tokens identical to " + ("transformers'" if "transformers" in outputs else "decoderlm fp32's"))
+    if ref_name:
+        print(f"same greedy tokens: leading tokens identical to {ref_name}'s")
+    return rows, ref_name
+
+
+@dataclass
+class ColdRun:
+    first_output_s: float  # from the process's start to the first byte it prints
+    peak_rss_mb: float  # the process's peak resident memory (ru_maxrss)
+
+
+def cold_run(cmd: list[str]) -> ColdRun:
+    """Run `cmd` in a fresh process (the worktree's decoderlm on its path); time its first printed byte
+    and read its peak RSS from the kernel's account of the finished process. A forked child inherits
+    its parent's peak RSS as its own starting point, and this process holds every engine's model, so
+    `cmd` is started by a small launcher process (SPAWN) instead, whose peak is a few MB."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-S", "-c", SPAWN, rss.name, *cmd], stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env)
+        first = proc.stdout.read(1)
+        first_s = time.perf_counter() - t0
+        proc.stdout.read()
+        if proc.wait() != 0 or not first:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}): {err.read().decode()[-1000:]}")
+        return ColdRun(first_s, int(rss.read()) * 1024 / 1e6)  # Linux reports ru_maxrss in KiB
+
+
+def cold_commands(gguf: Path, names: list[str], threads: int) -> dict[str, list[str]]:
+    chat = [sys.executable, "-m", "decoderlm", "chat", "--message", COLD_MESSAGE, "--max-new-tokens", "4", "--temperature", "0",
+            "--threads", str(threads)]
+    cmds = {IMPORTS_ONLY: [sys.executable, "-c", "import torch, decoderlm.cli; print('imported')"]}
+    cmds |= {name: chat + cli_flags(DECODERLM[name]) for name in names if name in DECODERLM}
+    if "llama.cpp" in names:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama.cpp: llama-cpp-python is not installed or does not import — left out of the cold-start pass")
+        else:
+            cmds["llama.cpp"] = [sys.executable, "-c", LLAMA_CPP_COLD, str(gguf), str(threads), COLD_MESSAGE]
+    return cmds
+
+
+def cold(gguf: Path, names: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """The cold-start pass: each command `cold_runs` times, interleaved; medians, with the first run apart."""
+    cmds = cold_commands(gguf, names, args.threads)
+    runs: dict[str, list[ColdRun]] = {name: [] for name in cmds}
+    for _ in range(args.cold_runs):
+        for name, cmd in cmds.items():
+            runs[name].append(cold_run(cmd))
+    gguf_mb = gguf.stat().st_size / 1e6
+    base = statistics.median(r.peak_rss_mb for r in runs[IMPORTS_ONLY])
+    print(f"\ncold start: `decoderlm chat --message {COLD_MESSAGE!r} --max-new-tokens 4` in a fresh process, "
+          f"median of {args.cold_runs} (first run apart: a one-off cost shows there)")
+    print(f"{'engine':<28}{'first token s':>14}{'first run s':>13}{'peak RSS MB':>13}")
+    rows = {}
+    for name, rs in runs.items():
+        rows[name] = {"first_output_s": statistics.median(r.first_output_s for r in rs), "first_output_s_first_run": rs[0].first_output_s,
+                      "peak_rss_mb": statistics.median(r.peak_rss_mb for r in rs), "runs": [vars(r) for r in rs],
+                      "command": " ".join(cmds[name][:2] + (["<script>"] if name == "llama.cpp" else cmds[name][2:]))}
+        r = rows[name]
+        print(f"{name:<28}{r['first_output_s']:>14.2f}{r['first_output_s_first_run']:>13.2f}{r['peak_rss_mb']:>13.0f}")
+    print(f"memory target (issue 10): {IMPORTS_ONLY} ({base:.0f} MB) + 1.5 × the GGUF ({gguf_mb:.0f} MB) = {base + 1.5 * gguf_mb:.0f} MB, "
+          "plus the KV cache")
+    return {"gguf_mb": gguf_mb, "rss_target_mb_without_kv": base + 1.5 * gguf_mb, "engines": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="speed-pass repeats (0: skip the speed pass)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--cold-runs", type=int, default=3, help="cold-start runs per engine (0: skip the cold-start pass)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
+    all_engines = [*DECODERLM, *TRANSFORMERS, "llama.cpp"]
+    ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(all_engines)}")
+    args = ap.parse_args()
+    names = args.engines if args.engines is not None else all_engines
+    unknown = [n for n in names if n not in all_engines]
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {', '.join(map(repr, unknown))}; choose from {', '.join(all_engines)}")
+    torch.set_num_threads(args.threads)
+    gguf = locate(DEFAULT_MODEL)
+
+    rows, reference = speed(gguf, names, args) if args.repeats > 0 else ({}, None)
+    faithful = faithful_modes()
+    fastest = max((n for n in rows if faithful.get(n)), key=lambda n: rows[n]["decode_tok_s"], default=None)
+    if fastest:
+        vs = f", {rows[fastest]['vs_llama.cpp_decode']:.2f}× llama.cpp" if "vs_llama.cpp_decode" in rows[fastest] else ""
+        print(f"fastest faithful mode (per {QUALITY.name}): {fastest}, {rows[fastest]['decode_tok_s']:.1f} decode tok/s{vs}")
+    elif rows:
+        print(f"faithful modes unknown: run benchmarks/quality.py first (it writes {QUALITY.name})")
+    cold_rows = cold(gguf, names, args) if args.cold_runs > 0 else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "model": DEFAULT_MODEL, "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "model": DEFAULT_MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "threads": args.threads, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "greedy_reference": "transformers" if "transformers" in outputs else "decoderlm fp32", "engines": rows,
+        "greedy_reference": reference, "engines": rows, "faithful": faithful, "fastest_faithful": fastest, "cold_start": cold_rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 
