@@ -1,0 +1,79 @@
+"""The compiled decode step (`--compile`) against eager decoding and llama.cpp, same model, same run.
+
+SmolLM2-135M-Instruct, the same prompt as generate_speed.py, greedy. For each mode the model is loaded,
+decoded eagerly, then `decoderlm.compiled.enable` builds (first time on this machine: tens of seconds to
+minutes) or loads (later: about a second) its package, and the compiled decode is timed; llama.cpp's
+decode is timed in the same repeats, interleaved. Reports the build/load time apart from decode speed.
+
+    python benchmarks/compiled_decode.py [--modes int4 int8] [--repeats 3] [--new-tokens 128] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from generate_speed import TEXT, llamacpp_engine, timed
+
+from decoderlm import SamplingParams, compiled, load, stream
+from decoderlm.names import DEFAULT_MODEL, locate
+
+RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="*", default=["int4", "int8"], help="fp32, int8 or int4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gguf = locate(DEFAULT_MODEL)
+    llama = llamacpp_engine(gguf, args.threads)
+    rows: dict[str, dict] = {}
+    for mode in args.modes:
+        model, tokenizer = load(gguf, quantize=None if mode == "fp32" else mode)
+        ids = tokenizer.encode(TEXT, add_special_tokens=False)[: args.prompt_tokens]
+
+        def decode() -> tuple[float, list[int]]:
+            _, rest, out = timed(stream(model, ids, SamplingParams(temperature=0, max_new_tokens=args.new_tokens)))
+            return (len(out) - 1) / rest, out
+
+        eager = [decode() for _ in range(args.repeats)]
+        t0 = time.perf_counter()
+        compiled.enable(model)
+        decode()  # the first compiled decode builds or loads the package
+        build_s = time.perf_counter() - t0
+        fast, peer = [], []
+        for _ in range(args.repeats):  # interleaved with llama.cpp
+            fast.append(decode())
+            if llama is not None:
+                _, rest, out = timed(llama(ids, args.new_tokens))
+                peer.append((len(out) - 1) / rest)
+        row = {"eager_tok_s": statistics.median(r for r, _ in eager), "compiled_tok_s": statistics.median(r for r, _ in fast),
+               "build_or_load_s": build_s, "greedy_identical": all(out == eager[0][1] for _, out in fast)}
+        if peer:
+            row["llama.cpp_tok_s"] = statistics.median(peer)
+            row["vs_llama.cpp"] = row["compiled_tok_s"] / row["llama.cpp_tok_s"]
+        rows[mode] = row
+    print(f"\n{DEFAULT_MODEL}, {args.prompt_tokens} prompt tokens, {args.new_tokens} greedy tokens, {args.threads} threads, median of {args.repeats}")
+    print(f"{'mode':6} {'eager tok/s':>12} {'compiled tok/s':>15} {'llama.cpp tok/s':>16} {'× llama.cpp':>12} {'build/load s':>13}  greedy = eager")
+    for mode, r in rows.items():
+        print(f"{mode:6} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
+              f"{r.get('vs_llama.cpp', float('nan')):12.2f} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "threads": args.threads, "new_tokens": args.new_tokens,
+                                    "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "torch": torch.__version__,
+                                    "modes": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
