@@ -169,10 +169,14 @@ def test_int4_packed_rows_concatenate(tiles, last, groups, bias, seed):
     assert all(torch.equal(stacked.state_dict()[k], direct.state_dict()[k]) for k in direct.state_dict())
 
 
-def test_int4_rows_inside_a_tile_are_not_stacked():
-    if not kernel("_weight_int4pack_mm_for_cpu", torch.device("cpu")):
-        pytest.skip("no packed int4 kernel: rows are stored one per byte and always stack")
-    assert concat([Int4Linear.from_weight(nn.Linear(32, 32).weight), Int4Linear.from_weight(nn.Linear(32, 32).weight)]) is None
+def test_int4_rows_inside_a_tile_stack_only_when_unpacked():
+    """Packed rows (the CPU kernel's tiles) cannot be split inside a tile; one-per-byte rows always stack."""
+    parts = [Int4Linear.from_weight(nn.Linear(32, 32).weight), Int4Linear.from_weight(nn.Linear(32, 32).weight)]
+    stacked = concat(parts)
+    if kernel("_weight_int4pack_mm_for_cpu", torch.device("cpu")):
+        assert stacked is None
+    else:
+        assert stacked is not None and stacked.qweight.shape[0] == 64
 
 
 def test_rms_norm_in_bf16_rounds_once():
