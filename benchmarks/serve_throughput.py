@@ -1,7 +1,8 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
-The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in fp32 (its default),
-llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
+The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
+(`--quantize auto`: the Q4_1 blocks as int4) and in each --quantize mode asked for (default: none, the
+float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
 all clients of a level start together. Reported per level: aggregate generated tokens per second
 (all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
@@ -18,7 +19,7 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
-    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize int8,int4] [--streams 1,4,8,16] [--threads N]
+    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--streams 1,4,8,16] [--threads N]
 
 Writes benchmarks/results/serve_throughput.json and prints a table.
 """
@@ -172,9 +173,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--quantize", type=lambda s: s.split(","), default=[], help="also serve with these --quantize modes, e.g. int8,int4")
+    p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
+                   help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
     args = p.parse_args()
-    servers = {"decoderlm": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
+    servers = {"decoderlm auto": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
     servers |= {"llama-server": start_llama} if args.llama_server else {}
     results: dict[str, list[dict]] = {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -106,10 +106,11 @@ class CompiledDecoder:
 
     `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
     through the compiled library. The library holds the cache's buffers, so each size has one cache,
-    reused by the next request (its stale slots are masked): one stream at a time per model."""
+    reused by the next request (its stale slots are masked): one stream at a time per model.
+    build=False only loads packages built earlier, and decodes eagerly (silently) where there are none."""
 
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
+    def __init__(self, model: Transformer, build: bool = True) -> None:
+        self.model, self.build = model, build
         self.runners: dict[int, object] = {}  # cache size → loaded package, or None when it failed
         self.caches: dict[int, StaticKVCache] = {}
         self.compiles = 0  # packages built by this process (tests check a second process builds none)
@@ -133,10 +134,12 @@ class CompiledDecoder:
         return logits
 
     def _load(self, size: int):
+        path = cache_dir() / f"{cache_key(self.model, size)}.pt2"
+        if not path.is_file() and not self.build:
+            return None
         param = next(self.model.parameters())
         with torch.inference_mode(False):  # the buffers must be ordinary tensors to be exported
             cache = StaticKVCache(self.model.config, 1, size, dtype=param.dtype, device=param.device)
-        path = cache_dir() / f"{cache_key(self.model, size)}.pt2"
         failed = path.with_suffix(".failed")  # a model that cannot be compiled is not tried again on every run
         try:
             if failed.is_file():
@@ -177,7 +180,8 @@ class CompiledDecoder:
         self.compiles += 1
 
 
-def enable(model: Transformer) -> Transformer:
-    """Make `generate` decode `model` through compiled steps (built on first use)."""
-    model.compiled_decoder = CompiledDecoder(model)
+def enable(model: Transformer, build: bool = True) -> Transformer:
+    """Make `generate` decode `model` through compiled steps, built on first use; with build=False,
+    through those already cached (a package is built once by a run that asks for it)."""
+    model.compiled_decoder = CompiledDecoder(model, build)
     return model

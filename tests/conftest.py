@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,10 @@ from hypothesis import strategies as st
 import decoderlm.cli as cli
 from decoderlm.config import ModelConfig
 from decoderlm.model import Transformer
+
+# Compiled decode steps built by the tests go to a fresh folder, and none built by the user's own runs
+# (~/.cache/decoderlm, which chat and generate use by default) can change what a test decodes.
+os.environ["DECODERLM_CACHE"] = tempfile.mkdtemp(prefix="decoderlm-test-cache-")
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

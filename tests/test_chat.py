@@ -13,8 +13,8 @@ import decoderlm.cli as cli
 from decoderlm import names
 from decoderlm.cli import chat
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats.gguf import load_gguf
 from decoderlm.generate import generate
+from decoderlm.loader import load
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import render_chat
 
@@ -53,7 +53,8 @@ def test_template_errors_are_one_line():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_gguf(names.locate(names.DEFAULT_MODEL))
+    """The embedded model as chat and generate run it by default (--quantize auto: its Q4_1 blocks as int4)."""
+    return load(names.DEFAULT_MODEL, quantize="int4")
 
 
 def test_chat_message_prints_the_greedy_reply(capsys, smollm2):

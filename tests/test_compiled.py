@@ -90,7 +90,8 @@ def run_generate(checkpoint: Path, cache: Path, *flags: str) -> subprocess.Compl
 
 
 def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, package_dir):
-    eager = run_generate(checkpoint, package_dir)
+    eager = run_generate(checkpoint, package_dir)  # by default a package is used if there is one, none is built
+    assert COMPILING not in eager.stderr and not list(package_dir.rglob("*.pt2"))
     first = run_generate(checkpoint, package_dir, "--compile")
     assert first.stderr.count(COMPILING) == 1 and "eagerly" not in first.stderr, first.stderr
     packages = list((package_dir / "compiled").glob("*.pt2"))
@@ -99,6 +100,22 @@ def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, pac
     assert COMPILING not in second.stderr and "eagerly" not in second.stderr, second.stderr
     assert list((package_dir / "compiled").glob("*.pt2")) == packages
     assert first.stdout == second.stdout == eager.stdout
+
+
+def test_without_build_a_package_built_earlier_is_used_and_none_is_built(checkpoint, package_dir, monkeypatch):
+    monkeypatch.setenv("DECODERLM_CACHE", str(package_dir))
+    model, _ = decoderlm.load(checkpoint)
+    params, prompt = SamplingParams(temperature=0, max_new_tokens=6), [5, 17, 3]
+    eager = generate(model, prompt, params)
+    if not list(package_dir.rglob("*.pt2")):  # the CLI test has not built it: none is built here either
+        compiled.enable(model, build=False)
+        assert generate(model, prompt, params) == eager
+        assert set(model.compiled_decoder.runners.values()) == {None} and not list(package_dir.rglob("*.pt2"))
+        compiled.enable(model)
+        generate(model, prompt, params)
+    compiled.enable(model, build=False)
+    assert generate(model, prompt, params) == eager
+    assert model.compiled_decoder.compiles == 0 and None not in model.compiled_decoder.runners.values()
 
 
 def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_dir, monkeypatch):

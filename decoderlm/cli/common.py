@@ -67,19 +67,34 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) ->
     add_seed_flag(g)
 
 
-def add_model_flags(p: argparse.ArgumentParser, compile: bool = False) -> None:
+QUANTIZE_HELP = {
+    "auto": "a quantized GGUF runs on its own blocks (Q4_0/Q4_1: int4, Q8_0 and K-quants: int8), the fastest mode "
+            "within 1%% of float32's perplexity; other models run in --dtype",
+    "none": "weights in --dtype (a quantized GGUF dequantized exactly): the reference path, slowest",
+}
+
+
+def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize: str = "none") -> None:
     """How to run the model: every command that runs one takes these; commands that decode token by
-    token (generate, chat) also take --compile."""
+    token (generate, chat) also take --compile. `quantize`: the --quantize default (auto for the
+    commands that serve a user, none for those that measure the model)."""
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--quantize", default=None, choices=list(MODES),
-                   help="quantize weights for faster CPU decoding (decode vs fp32: int4 ~3x, int8 ~2x; logits move slightly)")
+    p.add_argument("--quantize", default=quantize, choices=["auto", "none", *MODES],
+                   help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "
+                        "for faster CPU decoding (decode vs float32: int8 ~3x, int4 ~4x; logits move slightly)")
     if compile:
-        p.add_argument("--compile", action="store_true",
-                       help="decode through a compiled step (built once per model and machine, cached in $DECODERLM_CACHE "
-                            "or ~/.cache/decoderlm; eager if compiling fails)")
+        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="decode through a compiled step, built once per model, mode and machine (about a minute; "
+                            "cached in $DECODERLM_CACHE or ~/.cache/decoderlm; eager if compiling fails). Default: a "
+                            "step built earlier is used, none is built; --no-compile: always eager")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
+
+
+def quantize_mode(args: argparse.Namespace) -> str | None:
+    """--quantize as `decoderlm.load` takes it ("none" is None)."""
+    return None if args.quantize == "none" else args.quantize
 
 
 def apply_run_flags(args: argparse.Namespace) -> torch.device:
@@ -98,9 +113,9 @@ def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    model, tokenizer = load(source, dtype=args.dtype, quantize=args.quantize, device=device)
-    if getattr(args, "compile", False):
-        compiled.enable(model)
+    model, tokenizer = load(source, dtype=args.dtype, quantize=quantize_mode(args), device=device)
+    if getattr(args, "compile", False) is not False:  # None: a package built earlier, if any
+        compiled.enable(model, build=args.compile is True)
     return model, tokenizer
 
 

@@ -18,6 +18,7 @@ from decoderlm.cli.common import (
     check_out_file,
     load_model,
     model_source,
+    quantize_mode,
 )
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
@@ -139,7 +140,7 @@ def run_check(args: argparse.Namespace) -> int:
             torch.manual_seed(seed)
             with torch.device(device):
                 model = Transformer(config).to(resolve_dtype(args.dtype)).eval()
-            if args.quantize:
+            if quantize_mode(args) not in (None, "auto"):  # auto keeps a float model float
                 quantize(model, args.quantize)
             result = _check_model(args.property, model, args, seed)
     else:

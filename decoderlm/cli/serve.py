@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together in one step")
     p.add_argument("--kv-cache-memory", default=None, help="KV-cache pool size, e.g. 512MiB, 1GiB, 2GB (default: the engine's)")
-    add_model_flags(p)
+    add_model_flags(p, quantize="auto")
     p.set_defaults(func=cmd_serve)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import re
 import warnings
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable
@@ -40,6 +41,10 @@ from decoderlm.tokenizer.bpe import HFTokenizer
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# --quantize auto: the quantized mode that keeps a file's layer weights as the file has them. Q4_0 /
+# Q4_1 / Q8_0 blocks are computed with as they are (exact); K-quant blocks do not fit the int4 layout
+# and go onto Q8_0's finer grid (int8) rather than back to float; float files stay float.
+NATIVE_MODES = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8", Q.Q4_K: "int8", Q.Q5_K: "int8", Q.Q6_K: "int8"}
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 PROGRESS_BYTES = 300 * 2**20  # files above this show a progress bar (on a terminal) while they load
 
@@ -68,11 +73,14 @@ _NAME_RE = re.compile(r"^(?P<base>.+?)\.(?P<param>weight|bias)$")
 def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
               quantize: str | None = None) -> tuple[Transformer, HFTokenizer]:
     """(model in eval mode on `device`, tokenizer) from a .gguf file. quantize ("int8", "int4"): each
-    weight becomes its quantized layer as it is read (Q4_0/Q4_1 blocks as they are, for int4)."""
+    weight becomes its quantized layer as it is read (Q4_0/Q4_1 blocks as they are, for int4);
+    "auto": the file's own precision kept (`native_mode`)."""
     path = Path(path)
     reader = open_gguf(path)
     meta = Metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
+    if quantize == "auto":
+        quantize = native_mode(reader.tensors, torch.device(device))
     config = gguf_config(meta, tensors)
     tokenizer = gguf_tokenizer(meta)
     fill = TensorByTensor(config, torch_dtype, device, quantize)
@@ -91,6 +99,18 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
     model.generation_defaults = meta.sampling_defaults()
     return model, tokenizer
+
+
+def native_mode(tensors: list[ReaderTensor], device: torch.device) -> str | None:
+    """The mode (NATIVE_MODES) of the type that holds most of the layers' matrix weights; None (float)
+    for a float file or off the CPU, where the quantized kernels are not fast."""
+    sizes = Counter()
+    for t in tensors:
+        if t.name.startswith("blk.") and len(t.shape) >= 2:
+            sizes[t.tensor_type] += int(t.n_elements)
+    if device.type != "cpu" or not sizes:
+        return None
+    return NATIVE_MODES.get(sizes.most_common(1)[0][0])
 
 
 @lru_cache(maxsize=1)

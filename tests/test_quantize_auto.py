@@ -1,0 +1,93 @@
+"""`--quantize auto`, the default of chat / generate / serve: a quantized GGUF runs on its own blocks
+(Q4_0/Q4_1 as int4, Q8_0 and K-quants as int8), a float model stays float; `--quantize none` is the
+float reference path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_cli
+from gguf import GGMLQuantizationType as Q
+from hf_models import make_hf_model
+from test_gguf import hf_model, tokenizer_meta, write_model
+from torch import nn
+
+from decoderlm.formats.gguf import native_mode
+from decoderlm.generate import generate
+from decoderlm.loader import load
+from decoderlm.quantize import Int4Linear, Int8GroupLinear
+from decoderlm.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def linear_kinds(model: nn.Module) -> set[type]:
+    """The classes of the model's layer matrices (attention and MLP; the LM head is 8-bit in every mode)."""
+    return {type(m) for name, m in model.named_modules() if name.endswith("_proj")}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    _, vocab = tokenizer_meta()
+    model = hf_model("llama", vocab)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16):
+        write_model(root / f"{qtype.name}.gguf", "llama", model, qtype)
+    return root
+
+
+@pytest.mark.parametrize("qtype,mode,kind", [(Q.Q4_0, "int4", Int4Linear), (Q.Q4_1, "int4", Int4Linear),
+                                             (Q.Q8_0, "int8", Int8GroupLinear), (Q.F16, None, nn.Linear)])
+def test_auto_keeps_the_files_own_precision(gguf_files, qtype, mode, kind):
+    path = gguf_files / f"{qtype.name}.gguf"
+    auto, _ = load(path, quantize="auto")
+    explicit, _ = load(path, quantize=mode)
+    assert linear_kinds(auto) == {kind}
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(auto(ids).logits, explicit(ids).logits)
+
+
+def tensor(name: str, qtype: Q, shape: tuple[int, ...]) -> SimpleNamespace:
+    n = 1
+    for s in shape:
+        n *= s
+    return SimpleNamespace(name=name, tensor_type=qtype, shape=shape, n_elements=n)
+
+
+def test_native_mode_follows_the_layers_bulk():
+    mixed = [tensor("token_embd.weight", Q.Q8_0, (576, 49152)), tensor("blk.0.attn_q.weight", Q.Q4_1, (576, 576)),
+             tensor("blk.0.ffn_down.weight", Q.Q6_K, (1536, 576)), tensor("blk.0.ffn_up.weight", Q.Q4_1, (576, 1536)),
+             tensor("blk.0.attn_norm.weight", Q.F32, (576,))]
+    assert native_mode(mixed, CPU) == "int4"  # the big embedding and one Q6_K matrix do not outvote the Q4_1 bulk
+    assert native_mode([tensor("blk.0.ffn_up.weight", Q.Q4_K, (256, 512))], CPU) == "int8"  # K-quants: Q8_0's grid
+    assert native_mode([tensor("blk.0.ffn_up.weight", Q.Q6_K, (256, 512))], CPU) == "int8"
+    assert native_mode([tensor("blk.0.ffn_up.weight", Q.BF16, (256, 512))], CPU) is None
+    assert native_mode(mixed, torch.device("cuda")) is None  # the packed kernels are CPU kernels
+
+
+def test_auto_leaves_float_checkpoints_float(tmp_path):
+    make_hf_model("llama", tmp_path / "hf")
+    model, _ = load(tmp_path / "hf", quantize="auto")
+    assert linear_kinds(model) == {nn.Linear}
+
+
+def test_bad_quantize_value_is_one_line_error(gguf_files):
+    with pytest.raises(Exception, match="quantize 'int3' is not supported; use one of int8, int4, auto"):
+        load(gguf_files / "Q4_1.gguf", quantize="int3")
+
+
+def test_cli_default_is_auto_and_none_is_float(gguf_files, capsys):
+    path = str(gguf_files / "Q4_1.gguf")
+    outs = {}
+    for flags in ([], ["--quantize", "auto"], ["--quantize", "int4"], ["--quantize", "none"]):
+        code, out, err = run_cli(["generate", "--model", path, "--prompt", "abc", "--temperature", "0",
+                                  "--max-new-tokens", "12", *flags], capsys)
+        assert code == 0, err
+        outs[" ".join(flags)] = out
+    assert outs[""] == outs["--quantize auto"] == outs["--quantize int4"]
+    float_model, tok = load(path)
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=tok.eos_token_ids)
+    assert outs["--quantize none"] == "abc" + tok.decode(generate(float_model, tok.encode("abc"), params)) + "\n"
