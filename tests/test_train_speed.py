@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer, attention
 from decoderlm.model.transformer import lm_loss
 from decoderlm.train import TrainConfig, checkpoint, train
@@ -43,6 +44,40 @@ def test_under_cpu_bf16_autocast_attention_gets_fp32_and_the_projections_bf16(mo
     seen.clear()
     model(ids)  # without autocast nothing changes
     assert seen == [(torch.float32,) * 3 + (False,)] * 2
+
+
+def test_compiled_bf16_attention_computes_what_the_eager_fp32_attention_does(monkeypatch):
+    """Plain and left-padded batches (fine-tuning's): the same logits at every real token, within bf16 rounding."""
+    model, ids = tiny_model(), torch.randint(0, 65, (2, 16))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0, :5] = 0
+    real = padding.bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = [model(ids).logits.float(), model(ids, attention_mask=padding).logits.float()[real]]
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branch torch.compile takes, run eagerly
+        compiled_branch = [model(ids).logits.float(), model(ids, attention_mask=padding).logits.float()[real]]
+    for a, b in zip(eager, compiled_branch, strict=True):
+        assert (a - b).abs().max() < 2e-2  # both compute attention in fp32; only bf16 rounding of the rest differs
+
+
+def test_compiled_bf16_forward_is_one_graph_without_an_autocast_region():
+    """One graph (no break at the learned-position check) and no autocast switch inside it: what lets
+    AOTAutograd cache the compiled step, so a run loads it in seconds instead of tracing it again."""
+    model, ids = tiny_model(), torch.randint(0, 65, (2, 16))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(model)(ids)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    targets = {getattr(node.target, "__name__", str(node.target)) for g in explanation.graphs for node in g.graph.nodes}
+    assert not {"_enter_autocast", "_exit_autocast"} & targets
+
+
+def test_learned_positions_still_refuse_a_sequence_longer_than_the_table():
+    model = tiny_model()
+    with pytest.raises(DecoderLMError, match="position 16"):
+        model(torch.randint(0, 65, (1, 17)))
+    with pytest.raises(DecoderLMError, match="position 16"):
+        model(torch.randint(0, 65, (1, 2)), positions=torch.tensor([[15, 16]]))
 
 
 def test_bf16_step_loss_and_gradients_match_fp32_within_bf16_rounding():

@@ -114,12 +114,19 @@ class Attention(nn.Module):
         # flash-attention backward is ~7x slower than fp32's at small head sizes, while the projections
         # around it keep bf16's speed. Without autocast, or on a GPU, nothing changes.
         upcast = q.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        is_causal = self.causal and mask is None and T > 1  # no mask at all: plain causal attention over a fresh sequence (or none)
+        dropout = self.dropout if self.training else 0.0
+        if upcast and torch.compiler.is_compiling():
+            # Compiled (--compile): the math kernel, which computes bf16 inputs in fp32 on the CPU, decomposed
+            # into matmuls and a softmax that inductor fuses (faster here than the flash kernel), and with no
+            # autocast region in the graph, so the compiled step is loaded whole from the cache.
+            y = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, mask, dropout, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)[0]  # (B, H, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
             if upcast:
                 q, k, v = q.float(), k.float(), v.float()
-            # No mask at all means plain causal attention over a fresh sequence (or none, with causal=False).
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=self.causal and mask is None and T > 1,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.n_kv_heads != self.n_heads,
+                q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

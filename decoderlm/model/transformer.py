@@ -122,6 +122,8 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         cfg = self.config
+        # A fresh unpadded sequence's last position is T - 1, known without reading a tensor (no graph break under torch.compile).
+        last = T - 1 if positions is None and cache is None and attention_mask is None else None
         if positions is None:
             positions = cache.positions(T, attention_mask, input_ids.device) if cache is not None else default_positions(0, T, attention_mask, input_ids.device)
         x = self.embed_tokens(input_ids)  # (B, T, D)
@@ -129,8 +131,9 @@ class Transformer(nn.Module):
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope = None
         if self.embed_positions is not None:
-            if int(positions.max()) >= cfg.max_seq_len:
-                raise DecoderLMError(f"sequence reaches position {int(positions.max())}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
+            last = int(positions.max()) if last is None else last
+            if last >= cfg.max_seq_len:
+                raise DecoderLMError(f"sequence reaches position {last}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
             x = x + self.embed_positions(positions)
         else:
             rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, T, 1, rot_dim) each

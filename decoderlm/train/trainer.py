@@ -276,7 +276,9 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
                 row["val_loss"] = evaluate(model, objective, cfg, device, world)
                 row |= objective_metrics(model, objective, cfg, device)
             history.append(row)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}")
+            # No forced redraw: the bar shows the figures at its own pace (10 times a second), not at every logged step.
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}" if evaluating else "-", tok_s=f"{tok_s:,.0f}",
+                            refresh=False)
             window_loss, window_steps, window_tokens = 0.0, 0, 0
             if evaluating:
                 if row["val_loss"] < best:
