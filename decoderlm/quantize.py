@@ -33,6 +33,7 @@ MODES = ("int8", "int4")
 GROUP = 32  # int4 and the int8 embedding: one scale (and zero point) per 32 inputs, like llama.cpp's blocks
 COMPUTE = torch.bfloat16  # the kernels' activation dtype (the only one they are fast in)
 CHUNK_ROWS = 4096  # rows converted at a time, so a large matrix never exists whole in fp32
+PACK_ROWS = 1024  # rows packed at a time (the packing kernel takes int32: 4 bytes a value)
 
 
 def kernel(name: str, device: torch.device) -> bool:
@@ -126,12 +127,18 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def pack_int4(q_chunks: Iterable[torch.Tensor], fast: bool) -> torch.Tensor:
-    """An int4 layer's qweight from its (out, in) values 0..15, given as chunks of rows (so a large
-    weight needs int32 temporaries for one chunk only): the kernel's tiled layout, two values per
-    byte (which packs row chunks of a multiple of 16 independently), or one value per byte."""
-    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 8) if fast else c.to(torch.uint8)
-                      for c in q_chunks])
+def pack_int4(q_chunks: Iterable[torch.Tensor], shape: tuple[int, int], fast: bool) -> torch.Tensor:
+    """An int4 layer's qweight from its (out, in) = `shape` values 0..15, given as chunks of rows (so a
+    large weight needs int32 temporaries for one chunk only), written into the one result: the kernel's
+    tiled layout, two values per byte (row chunks of a multiple of 64 pack independently), or one value
+    per byte."""
+    N, K = shape
+    packed = torch.empty(N, K // 2 if fast else K, dtype=torch.uint8)
+    row = 0
+    for c in q_chunks:
+        packed[row : row + len(c)] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 8) if fast else c
+        row += len(c)
+    return packed
 
 
 INT4_TILE = 64  # the CPU kernel packs rows in tiles of 64 (and one tile of the remaining rows)
@@ -191,14 +198,15 @@ class Int4Linear(nn.Module):
 
     def __init__(self, q: torch.Tensor | Iterable[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
                  bias: nn.Parameter | None = None) -> None:
-        """q (out, in) integers 0..15, or its rows in chunks of CHUNK_ROWS; scale, zero (out, in/32) in
+        """q (out, in) integers 0..15, or its rows in chunks of PACK_ROWS; scale, zero (out, in/32) in
         fp32 (rounded to bf16 here)."""
         super().__init__()
-        sz = torch.stack((scale, zero), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
-        self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
+        sz = torch.stack((scale.to(COMPUTE), zero.to(COMPUTE)), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
+        self.register_buffer("scales_zeros", sz.contiguous())
         self.bias = bias
         self.fast = kernel("_weight_int4pack_mm_for_cpu", scale.device)
-        self.register_buffer("qweight", pack_int4(q.split(CHUNK_ROWS) if isinstance(q, torch.Tensor) else q, self.fast))
+        chunks = q.split(PACK_ROWS) if isinstance(q, torch.Tensor) else q
+        self.register_buffer("qweight", pack_int4(chunks, (scale.shape[0], scale.shape[1] * GROUP), self.fast))
 
     @classmethod
     def from_blocks(cls, b: Blocks, bias: nn.Parameter | None = None) -> Int4Linear:
@@ -260,7 +268,7 @@ class Int8GroupLinear(Int4Linear):
 
     def __init__(self, b: Blocks, bias: nn.Parameter | None = None) -> None:
         d = b.d  # (out, in/32)
-        chunks = (torch.cat((u >> 4, u & 15), 1) for u in ((q.to(torch.int32) + 128) for q in b.q.split(CHUNK_ROWS)))
+        chunks = (torch.cat((u >> 4, u & 15), 1) for u in (q.view(torch.uint8) ^ 128 for q in b.q.split(PACK_ROWS)))  # q + 128
         super().__init__(chunks, torch.cat((16 * d, d), 1), torch.cat((torch.zeros_like(d), 8 * d), 1), bias)
 
     def kernel_input(self, h: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,10 @@ the model plus one tensor. Quirks undone here:
 
 from __future__ import annotations
 
-import ctypes
 import re
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -33,6 +31,7 @@ from tqdm import tqdm
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import TensorByTensor
+from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies
 from decoderlm.quantize import Blocks
@@ -91,23 +90,6 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
     model.generation_defaults = meta.sampling_defaults()
     return model, tokenizer
-
-
-@lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Hand the heap's freed pages back to the OS. A tensor's temporaries come and go in blocks of
-    a few MB that glibc keeps for reuse, and over hundreds of tensors that slack grew to ~0.8x the
-    quantized model (peak memory); trimming after each tensor costs well under a millisecond."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def open_gguf(path: Path) -> "FastReader":
