@@ -301,21 +301,33 @@ def group_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Embedding(nn.Module):
     """Token embedding as int8 with one fp32 scale per 32 values of a row (Q8_0's layout, kept exact
-    when the file is Q8_0): a lookup dequantizes only the rows it reads, in `dtype`."""
+    when the file is Q8_0): a lookup dequantizes only the rows it reads, in `dtype`. Given the tied
+    LM head made from the same blocks (an Int8GroupLinear in the kernel's tiles), the int8 values are
+    read from the head's bytes instead of being stored twice (SmolLM2: 28 MB)."""
 
-    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
+    def __init__(self, w: Weight, dtype: torch.dtype, head: nn.Module | None = None) -> None:
         super().__init__()
         b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(dequantize(w))
-        q, d = b.q, b.d
-        self.register_buffer("qweight", q)  # (V, D) int8
-        self.register_buffer("scales", d.float())  # (V, D/32)
+        shared = isinstance(head, Int8GroupLinear) and head.fast and b.q.shape[0] % INT4_TILE == 0 and tiles_readable()
+        self.tied = (head,) if shared else ()  # a tuple: the head stays the model's module, not a second child
+        self.register_buffer("qweight", None if shared else b.q)  # (V, D) int8
+        self.register_buffer("scales", b.d.float())  # (V, D/32)
         self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = q.shape
+        self.num_embeddings, self.embedding_dim = b.q.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = F.embedding(ids, self.qweight).float()  # (..., D)
+        q = (self.head_rows(ids) if self.tied else F.embedding(ids, self.qweight)).float()  # (..., D)
         d = F.embedding(ids, self.scales)  # (..., D/32)
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (...,) as int8 (..., D) from the tied head's tiles: row 64·i + 32·u + j of value
+        16·h + l - 128 has h in the first D inputs' bytes j, l in the last D's, in nibble u."""
+        D = self.embedding_dim
+        tiles = self.tied[0].qweight.view(-1, 2, D, INT4_TILE // 2).permute(0, 3, 1, 2)  # (V/64, j, h|l, D)
+        h, l = tiles[ids // INT4_TILE, ids % (INT4_TILE // 2)].unbind(-2)  # (..., D) each
+        upper = (ids % INT4_TILE >= INT4_TILE // 2)[..., None]
+        return torch.where(upper, (h & 240) | (l >> 4), (h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8)
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
@@ -366,7 +378,8 @@ def quantize(model: nn.Module, mode: str) -> nn.Module:
         set_module(model, name, quantized_linear(linear.weight.detach(), layer_mode(name, mode), linear.bias))
     embed = getattr(model, "embed_tokens", None)
     if isinstance(embed, nn.Embedding):
-        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype)
+        tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype, model.lm_head if tied else None)
     return model
 
 

@@ -181,6 +181,17 @@ def test_int8_embedding_reads_q8_rows_exactly():
     assert ((from_float(ids) - w[ids]).abs() <= step / 2 * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("vocab", [192, 80])  # whole 64-row tiles (shared), a partial tile (own copy)
+def test_tied_embedding_reads_its_rows_from_the_head(vocab):
+    """Tied to a Q8 head, the embedding gives the same rows as alone and keeps no int8 copy of its own."""
+    torch.manual_seed(7)
+    blocks = q.q8_blocks(torch.randn(vocab, 128))
+    alone, tied = q.Int8Embedding(blocks, torch.float32), q.Int8Embedding(blocks, torch.float32, q.Int8GroupLinear(blocks))
+    ids = torch.tensor([[0, 31, 32, 63], [64, 79, vocab - 2, vocab - 1]])
+    assert torch.equal(tied(ids), alone(ids)) and torch.equal(alone(ids), blocks.dequantize()[ids])
+    assert (tied.qweight is None) == (vocab % q.INT4_TILE == 0)
+
+
 def test_int4_keeps_int8_for_shapes_it_cannot_pack():
     model = nn.Module()
     model.a, model.b, model.c = nn.Linear(64, 48), nn.Linear(40, 48), nn.Linear(64, 40)

@@ -74,6 +74,8 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_config(meta, tensors)
     tokenizer = gguf_tokenizer(meta)
+    generation_defaults = meta.sampling_defaults()
+    reader.fields.clear()  # the metadata, read: its ~100k small arrays (SmolLM2: 63 MB) go before the weights come
     fill = TensorByTensor(config, torch_dtype, device, quantize)
     big = path.stat().st_size > PROGRESS_BYTES
     with path.open("rb") as file:
@@ -88,7 +90,7 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
     model, missing = fill.finish()
     if missing:
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
-    model.generation_defaults = meta.sampling_defaults()
+    model.generation_defaults = generation_defaults
     return model, tokenizer
 
 
