@@ -280,7 +280,7 @@ def memory_account(cli_args: list[str]) -> dict[str, dict[str, float]]:
     own peak RSS (VmHWM, reset after each stage) and the RSS it leaves. Linux only (/proc)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        proc = subprocess.run([sys.executable, "-c", STAGES, out.name, *cli_args], capture_output=True, text=True, cwd=ROOT, env=env)
+        proc = subprocess.run([sys.executable, "-c", STAGES, out.name, *cli_args], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"memory account of `decoderlm {' '.join(cli_args)}` failed: {proc.stderr[-1000:]}")
         return json.loads(out.read())
