@@ -321,13 +321,13 @@ class Int8Embedding(nn.Module):
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (...,) as int8 (..., D) from the tied head's tiles: row 64·i + 32·u + j of value
-        16·h + l - 128 has h in the first D inputs' bytes j, l in the last D's, in nibble u."""
+        """Rows `ids` (...,) as int8 (..., D) from the tied head's tiles: row 64·i + 32·u + j, of value
+        16·h + l - 128, has h in the first D inputs' bytes j and l in the last D's, in nibble u."""
         D = self.embedding_dim
         tiles = self.tied[0].qweight.view(-1, 2, D, INT4_TILE // 2).permute(0, 3, 1, 2)  # (V/64, j, h|l, D)
-        h, l = tiles[ids // INT4_TILE, ids % (INT4_TILE // 2)].unbind(-2)  # (..., D) each
-        upper = (ids % INT4_TILE >= INT4_TILE // 2)[..., None]
-        return torch.where(upper, (h & 240) | (l >> 4), (h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8)
+        hl = tiles[ids >> 6, ids & 31] >> ((ids & 32) >> 3).to(torch.uint8)[..., None, None]  # (..., 2, D): nibble u moved low
+        h, l = hl.unbind(-2)
+        return ((h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8)
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
