@@ -8,7 +8,9 @@ the model's dtype. PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pa
 multiply activations by the packed weights directly, and only in bf16 (their fp16 and fp32 paths
 are 20-30x slower in torch 2.13), so activations, scales and outputs of a quantized matmul are bf16.
 Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
-call instead: slower, the same numbers up to bf16 rounding.
+call instead: slower, the same numbers up to bf16 rounding. That is also the fast way for many rows
+at once (a prompt's prefill): the kernels dequantize again for every few rows, so from `dense_rows`
+rows on a packed layer dequantizes its weight once (exactly, rounded once to bf16) for a dense matmul.
 
 int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
 4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
