@@ -5,7 +5,10 @@ decoded eagerly, then `decoderlm.compiled.enable` builds (first time on this mac
 minutes) or loads (later: about a second) its package, and the compiled decode is timed; llama.cpp's
 decode is timed in the same repeats, interleaved. Reports the build/load time apart from decode speed.
 
-    python benchmarks/compiled_decode.py [--modes int4 int8] [--repeats 3] [--new-tokens 128] [--threads 2]
+    python benchmarks/compiled_decode.py [--modes int4 int8] [--repeats 3] [--new-tokens 128] [--threads 2] [--quick]
+
+--quick runs a tiny random GGUF (quality.py's) for 8 tokens, once, without llama.cpp: it checks the
+script (a tiny model compiles in well under a minute; set DECODERLM_CACHE to keep its package apart).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from generate_speed import TEXT, llamacpp_engine, timed
+from generate_speed import TEXT, Engine, llamacpp_engine, timed
+from quality import tiny_gguf
 
 from decoderlm import SamplingParams, compiled, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
@@ -33,10 +38,20 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 tokens, once, no llama.cpp: checks the script")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    gguf = locate(DEFAULT_MODEL)
-    llama = llamacpp_engine(gguf, args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            args.repeats, args.new_tokens, args.prompt_tokens = 1, 8, 16
+            run(args, tiny_gguf(Path(tmp) / "tiny.gguf"), "tiny random (--quick)", None)
+        else:
+            gguf = locate(DEFAULT_MODEL)
+            run(args, gguf, DEFAULT_MODEL, llamacpp_engine(gguf, args.threads))
+
+
+def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | None) -> None:
+    """Time eager and compiled decoding of `gguf` in each mode (with llama.cpp interleaved, if given)."""
     rows: dict[str, dict] = {}
     for mode in args.modes:
         model, tokenizer = load(gguf, quantize=None if mode == "fp32" else mode)
@@ -63,13 +78,13 @@ def main() -> None:
             row["llama.cpp_tok_s"] = statistics.median(peer)
             row["vs_llama.cpp"] = row["compiled_tok_s"] / row["llama.cpp_tok_s"]
         rows[mode] = row
-    print(f"\n{DEFAULT_MODEL}, {args.prompt_tokens} prompt tokens, {args.new_tokens} greedy tokens, {args.threads} threads, median of {args.repeats}")
+    print(f"\n{model_name}, {args.prompt_tokens} prompt tokens, {args.new_tokens} greedy tokens, {args.threads} threads, median of {args.repeats}")
     print(f"{'mode':6} {'eager tok/s':>12} {'compiled tok/s':>15} {'llama.cpp tok/s':>16} {'× llama.cpp':>12} {'build/load s':>13}  greedy = eager")
     for mode, r in rows.items():
         print(f"{mode:6} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
               f"{r.get('vs_llama.cpp', float('nan')):12.2f} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": DEFAULT_MODEL, "threads": args.threads, "new_tokens": args.new_tokens,
+    args.out.write_text(json.dumps({"model": model_name, "threads": args.threads, "new_tokens": args.new_tokens,
                                     "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "torch": torch.__version__,
                                     "modes": rows}, indent=1))
     print(f"wrote {args.out}")

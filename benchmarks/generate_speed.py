@@ -11,7 +11,8 @@ A second pass starts each decoderlm mode cold, as a user would: `decoderlm chat 
 fresh process, timed from the process's start to its first streamed byte, with the process's peak
 RSS (its ru_maxrss); the imports alone and llama.cpp's own cold start are measured beside them. The
 first of these runs is reported apart from the median, so a one-off cost (a compile cached on disk)
-shows there instead of in every run.
+shows there instead of in every run. Each mode's memory is then accounted stage by stage (imports,
+GGUF header, tokenizer, weights, fusing, KV cache, first forward): each stage's peak and what it leaves.
 
     python benchmarks/generate_speed.py [--repeats 5] [--new-tokens 128] [--prompt-tokens 128] [--threads N] [--cold-runs 3]
 
@@ -63,6 +64,33 @@ with open(sys.argv[1], "w") as f:
     f.write(str(usage.ru_maxrss))
 sys.exit(os.waitstatus_to_exitcode(status))
 """  # argv: the file for the child's peak RSS, then the command
+STAGES = """import json, sys
+import importlib
+def status():
+    return {k: int(v.split()[0]) * 1024 / 1e6 for k, _, v in (line.partition(":") for line in open("/proc/self/status")) if k in ("VmRSS", "VmHWM")}
+account = {}
+def mark(stage):
+    s = status()
+    account[stage] = {"peak_mb": s["VmHWM"], "rss_mb": s["VmRSS"]}
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts: the next stage's peak is its own
+import torch, decoderlm.cli, decoderlm.loader, decoderlm.formats.gguf as gguf
+generate = importlib.import_module("decoderlm.generate")
+mark("imports")
+def after(module, name, stage):
+    f = getattr(module, name)
+    def wrapped(*args, **kwargs):
+        out = f(*args, **kwargs)
+        mark(stage)
+        return out
+    setattr(module, name, wrapped)
+for module, name, stage in ((gguf, "open_gguf", "GGUF header read"), (gguf, "gguf_tokenizer", "tokenizer"),
+                            (gguf, "load_gguf", "weights read and quantized"), (decoderlm.loader, "fuse_projections", "projections fused"),
+                            (generate, "cache_for", "KV cache allocated"), (generate, "prefill", "first forward")):
+    after(module, name, stage)
+decoderlm.cli.main(sys.argv[2:])
+mark("generation done")
+json.dump(account, open(sys.argv[1], "w"))
+"""  # argv: the file for the account, then `decoderlm` CLI arguments; stages in the order they are reached
 LLAMA_CPP_COLD = """import sys
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=int(sys.argv[2]), verbose=False)
@@ -246,6 +274,22 @@ def cold_commands(gguf: Path, names: list[str], threads: int) -> dict[str, list[
     return cmds
 
 
+def memory_account(cli_args: list[str]) -> dict[str, dict[str, float]]:
+    """Where a `decoderlm` command's memory goes, stage by stage (imports, GGUF header, tokenizer,
+    weights, fusing, KV cache, first forward, the rest of generation), in a fresh process: each stage's
+    own peak RSS (VmHWM, reset after each stage) and the RSS it leaves. Linux only (/proc)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        proc = subprocess.run([sys.executable, "-c", STAGES, out.name, *cli_args], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"memory account of `decoderlm {' '.join(cli_args)}` failed: {proc.stderr[-1000:]}")
+        return json.loads(out.read())
+
+
+def print_account(name: str, account: dict[str, dict[str, float]]) -> None:
+    print(f"{name}: " + ", ".join(f"{stage} {a['peak_mb']:.0f}/{a['rss_mb']:.0f}" for stage, a in account.items()))
+
+
 def cold(gguf: Path, names: list[str], args: argparse.Namespace) -> dict[str, dict]:
     """The cold-start pass: each command `cold_runs` times, interleaved; medians, with the first run apart."""
     cmds = cold_commands(gguf, names, args.threads)
@@ -267,7 +311,11 @@ def cold(gguf: Path, names: list[str], args: argparse.Namespace) -> dict[str, di
         print(f"{name:<28}{r['first_output_s']:>14.2f}{r['first_output_s_first_run']:>13.2f}{r['peak_rss_mb']:>13.0f}")
     print(f"memory target (issue 10): {IMPORTS_ONLY} ({base:.0f} MB) + 1.5 × the GGUF ({gguf_mb:.0f} MB) = {base + 1.5 * gguf_mb:.0f} MB, "
           "plus the KV cache")
-    return {"gguf_mb": gguf_mb, "rss_target_mb_without_kv": base + 1.5 * gguf_mb, "engines": rows}
+    print("memory account, stage: peak/left MB (`chat` as above, one fresh process per mode)")
+    accounts = {name: memory_account(cmds[name][3:]) for name in cmds if name in DECODERLM}  # past "python -m decoderlm"
+    for name, account in accounts.items():
+        print_account(name, account)
+    return {"gguf_mb": gguf_mb, "rss_target_mb_without_kv": base + 1.5 * gguf_mb, "engines": rows, "memory_account": accounts}
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ the model's dtype. PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pa
 multiply activations by the packed weights directly, and only in bf16 (their fp16 and fp32 paths
 are 20-30x slower in torch 2.13), so activations, scales and outputs of a quantized matmul are bf16.
 Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
-call instead: slower, the same numbers up to bf16 rounding.
+call instead: slower, the same numbers up to bf16 rounding. That is also the fast way for many rows
+at once (a prompt's prefill): the kernels dequantize again for every few rows, so from `dense_rows`
+rows on a packed layer dequantizes its weight once (exactly, rounded once to bf16) for a dense matmul.
 
 int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
 4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ MODES = ("int8", "int4")
 GROUP = 32  # int4 and the int8 embedding: one scale (and zero point) per 32 inputs, like llama.cpp's blocks
 COMPUTE = torch.bfloat16  # the kernels' activation dtype (the only one they are fast in)
 CHUNK_ROWS = 4096  # rows converted at a time, so a large matrix never exists whole in fp32
+PACK_ROWS = 1024  # rows packed at a time (the packing kernel takes int32: 4 bytes a value)
 
 
 def kernel(name: str, device: torch.device) -> bool:
@@ -125,28 +129,86 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def pack_int4(q_chunks: Iterable[torch.Tensor], fast: bool) -> torch.Tensor:
-    """An int4 layer's qweight from its (out, in) values 0..15, given as chunks of rows (so a large
-    weight needs int32 temporaries for one chunk only): the kernel's tiled layout, two values per
-    byte (which packs row chunks of a multiple of 16 independently), or one value per byte."""
-    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 8) if fast else c.to(torch.uint8)
-                      for c in q_chunks])
+def pack_int4(q_chunks: Iterable[torch.Tensor], shape: tuple[int, int], fast: bool) -> torch.Tensor:
+    """An int4 layer's qweight from its (out, in) = `shape` values 0..15, given as chunks of rows (so a
+    large weight needs int32 temporaries for one chunk only), written into the one result: the kernel's
+    tiled layout, two values per byte (row chunks of a multiple of 64 pack independently), or one value
+    per byte."""
+    N, K = shape
+    packed = torch.empty(N, K // 2 if fast else K, dtype=torch.uint8)
+    row = 0
+    for c in q_chunks:
+        packed[row : row + len(c)] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 8) if fast else c
+        row += len(c)
+    return packed
+
+
+INT4_TILE = 64  # the CPU kernel packs rows in tiles of 64 (and one tile of the remaining rows)
+Rows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def packed_t(packed: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The transposed weight values (in, out), bf16, of a weight packed by `_convert_weight_to_int4pack_for_cpu`
+    (out, in/2): byte j of a 64-row tile holds rows j (low nibble) and 32 + j (high) for one input; the
+    remaining rows form one tile of t rows whose byte j holds rows 2j and 2j + 1. rows(bytes) gives the
+    int8 values of the low-nibble rows and of the high-nibble rows from bytes (..., packed inputs, j)."""
+    N, packed_in = packed.shape[0], packed.shape[1] * 2
+    full = N - N % INT4_TILE
+    half = INT4_TILE // 2
+    low, high = rows(packed[:full].view(full // INT4_TILE, packed_in, half))  # (N/64, K, 32) each
+    K = low.shape[1]
+    w = torch.empty(K, N, dtype=COMPUTE)
+    into = w[:, :full].view(K, -1, 2, half)  # (K, N/64, 2, 32): row 64·i + 32·h + j
+    into[:, :, 0].copy_(low.transpose(0, 1))
+    into[:, :, 1].copy_(high.transpose(0, 1))
+    if full < N:
+        low, high = rows(packed[full:].view(packed_in, (N - full) // 2))  # (K, t/2) each
+        w[:, full:].view(K, -1, 2).copy_(torch.stack((low, high), -1))
+    return w
+
+
+def nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 layer's values q - 8 (int8 -8..7) in the low and high nibbles of bytes b."""
+    return (b & 15).view(torch.int8).sub_(8), (b >> 4).view(torch.int8).sub_(8)
+
+
+def q8_bytes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An Int8GroupLinear's values q = 16·h + l - 128 (int8) from bytes b whose inputs are h's, then l's:
+    the byte 16·h + l, read as int8 after flipping its top bit."""
+    h, l = b.chunk(2, dim=-2)
+    return ((h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8), ((h & 240) | (l >> 4)).bitwise_xor_(128).view(torch.int8)
+
+
+@cache
+def tiles_readable() -> bool:
+    """Whether this torch packs int4 as `packed_t` reads it (checked once on a small weight)."""
+    q = torch.randint(0, 16, (INT4_TILE + 16, 2 * GROUP), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    return torch.equal(packed_t(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), nibbles), (q.t() - 8).to(COMPUTE))
 
 
 class Int4Linear(nn.Module):
     """4-bit weights: each group of 32 inputs of a row has its own scale and zero point (asymmetric,
-    like Q4_1), w = (q - 8) · scale + zero with q in 0..15. Needs in % 32 == 0 and out % 16 == 0."""
+    like Q4_1), w = (q - 8) · scale + zero with q in 0..15. Needs in % 32 == 0 and out % 16 == 0.
+
+    From `dense_rows` input rows on (a prefill) the weight is dequantized to bf16 for the call and
+    multiplied densely: the kernel dequantizes per few rows, so its cost grows with the rows, while
+    dequantizing once costs about half a dense matmul of 128 rows. Fewer rows (decoding, the
+    server's batched steps) keep the kernel. Measured on SmolLM2-135M's layers: the two cross at
+    56-96 rows (1-2 threads)."""
+
+    dense_rows = 64
 
     def __init__(self, q: torch.Tensor | Iterable[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
                  bias: nn.Parameter | None = None) -> None:
-        """q (out, in) integers 0..15, or its rows in chunks of CHUNK_ROWS; scale, zero (out, in/32) in
+        """q (out, in) integers 0..15, or its rows in chunks of PACK_ROWS; scale, zero (out, in/32) in
         fp32 (rounded to bf16 here)."""
         super().__init__()
-        sz = torch.stack((scale, zero), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
-        self.register_buffer("scales_zeros", sz.to(COMPUTE).contiguous())
+        sz = torch.stack((scale.to(COMPUTE), zero.to(COMPUTE)), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
+        self.register_buffer("scales_zeros", sz.contiguous())
         self.bias = bias
         self.fast = kernel("_weight_int4pack_mm_for_cpu", scale.device)
-        self.register_buffer("qweight", pack_int4(q.split(CHUNK_ROWS) if isinstance(q, torch.Tensor) else q, self.fast))
+        chunks = q.split(PACK_ROWS) if isinstance(q, torch.Tensor) else q
+        self.register_buffer("qweight", pack_int4(chunks, (scale.shape[0], scale.shape[1] * GROUP), self.fast))
 
     @classmethod
     def from_blocks(cls, b: Blocks, bias: nn.Parameter | None = None) -> Int4Linear:
@@ -177,19 +239,22 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(COMPUTE).reshape(-1, x.shape[-1])  # (N, in)
-        if self.fast:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.qweight, GROUP, self.scales_zeros)
-        else:
-            y = F.linear(h, self.dequantize())
+        if self.fast and (h.shape[0] < self.dense_rows or not tiles_readable()):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self.kernel_input(h), self.qweight, GROUP, self.scales_zeros)
+        else:  # many rows: dequantizing once and a dense matmul beat the kernel's per-row dequantization
+            y = h @ self.dense_t()
         y = y.view(*x.shape[:-1], -1).to(x.dtype)  # (..., out)
         return y if self.bias is None else y + self.bias
 
-    def dequantize(self) -> torch.Tensor:
-        """The (out, in) weight these 4-bit values stand for (fallback path only)."""
-        N, K = self.qweight.shape
-        scale, zero = self.scales_zeros.transpose(0, 1).unbind(-1)  # (N, K/GROUP) each
-        q = self.qweight.to(COMPUTE).view(N, K // GROUP, GROUP)
-        return ((q - 8) * scale[..., None] + zero[..., None]).view(N, K)
+    def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def dense_t(self) -> torch.Tensor:
+        """The weight (in, out) in bf16: (q - 8)·scale + zero, computed in fp32 (exact) and rounded once."""
+        q = packed_t(self.qweight, nibbles) if self.fast else self.qweight.t().contiguous().to(COMPUTE) - 8  # (K, N)
+        K, N = q.shape
+        scale, zero = (t.contiguous()[:, None] for t in self.scales_zeros.unbind(-1))  # (K/32, 1, N)
+        return torch.addcmul(zero, q.view(K // GROUP, GROUP, N), scale, out=q.view(K // GROUP, GROUP, N)).view(K, N)
 
 
 class Int8GroupLinear(Int4Linear):
@@ -198,15 +263,29 @@ class Int8GroupLinear(Int4Linear):
     W·x = H·x + L·x, H with scale 16d and zero 0, L with scale d and zero 8d: the kernel's
     (h - 8)·16d + (l - 8)·d + 8d is d·q, and 16d, 8d are exact in bf16 once d is. One int4 matmul
     over the input repeated, [H | L]·[x; x], rounds the output once and reads as many bytes as int8
-    (it ran faster than the int8 kernel on SmolLM2's LM head)."""
+    (it ran faster than the int8 kernel on SmolLM2's LM head). A prefill's dense weight is d·q itself,
+    so the dense path pays off sooner than int4's (the kernel reads the input twice): 28-64 rows."""
+
+    dense_rows = 40
 
     def __init__(self, b: Blocks, bias: nn.Parameter | None = None) -> None:
         d = b.d  # (out, in/32)
-        chunks = (torch.cat((u >> 4, u & 15), 1) for u in ((q.to(torch.int32) + 128) for q in b.q.split(CHUNK_ROWS)))
+        chunks = (torch.cat((u >> 4, u & 15), 1) for u in (q.view(torch.uint8) ^ 128 for q in b.q.split(PACK_ROWS)))  # q + 128
         super().__init__(chunks, torch.cat((16 * d, d), 1), torch.cat((torch.zeros_like(d), 8 * d), 1), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(torch.cat((x, x), -1))
+    def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat((h, h), -1)
+
+    def dense_t(self) -> torch.Tensor:
+        """The weight (in, out) in bf16: d·q, computed in fp32 (exact) and rounded once."""
+        if self.fast:
+            q = packed_t(self.qweight, q8_bytes)  # (K, N)
+        else:
+            h, l = self.qweight.to(torch.int16).chunk(2, dim=1)
+            q = (16 * h + l - 128).t().contiguous().to(COMPUTE)
+        K, N = q.shape
+        d = self.scales_zeros[K // GROUP :, :, 0].contiguous()[:, None]  # (K/32, 1, N): the l half's scale
+        return torch.mul(q.view(K // GROUP, GROUP, N), d, out=q.view(K // GROUP, GROUP, N)).view(K, N)
 
 
 def q8_blocks(w: Weight) -> Blocks:
@@ -224,21 +303,33 @@ def group_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Embedding(nn.Module):
     """Token embedding as int8 with one fp32 scale per 32 values of a row (Q8_0's layout, kept exact
-    when the file is Q8_0): a lookup dequantizes only the rows it reads, in `dtype`."""
+    when the file is Q8_0): a lookup dequantizes only the rows it reads, in `dtype`. Given the tied
+    LM head made from the same blocks (an Int8GroupLinear in the kernel's tiles), the int8 values are
+    read from the head's bytes instead of being stored twice (SmolLM2: 28 MB)."""
 
-    def __init__(self, w: Weight, dtype: torch.dtype) -> None:
+    def __init__(self, w: Weight, dtype: torch.dtype, head: nn.Module | None = None) -> None:
         super().__init__()
         b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(dequantize(w))
-        q, d = b.q, b.d
-        self.register_buffer("qweight", q)  # (V, D) int8
-        self.register_buffer("scales", d.float())  # (V, D/32)
+        shared = isinstance(head, Int8GroupLinear) and head.fast and b.q.shape[0] % INT4_TILE == 0 and tiles_readable()
+        self.tied = (head,) if shared else ()  # a tuple: the head stays the model's module, not a second child
+        self.register_buffer("qweight", None if shared else b.q)  # (V, D) int8
+        self.register_buffer("scales", b.d.float())  # (V, D/32)
         self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = q.shape
+        self.num_embeddings, self.embedding_dim = b.q.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = F.embedding(ids, self.qweight).float()  # (..., D)
+        q = (self.head_rows(ids) if self.tied else F.embedding(ids, self.qweight)).float()  # (..., D)
         d = F.embedding(ids, self.scales)  # (..., D/32)
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (...,) as int8 (..., D) from the tied head's tiles: row 64·i + 32·u + j, of value
+        16·h + l - 128, has h in the first D inputs' bytes j and l in the last D's, in nibble u."""
+        D = self.embedding_dim
+        tiles = self.tied[0].qweight.view(-1, 2, D, INT4_TILE // 2).permute(0, 3, 1, 2)  # (V/64, j, h|l, D)
+        hl = tiles[ids >> 6, ids & 31] >> ((ids & 32) >> 3).to(torch.uint8)[..., None, None]  # (..., 2, D): nibble u moved low
+        h, l = hl.unbind(-2)
+        return ((h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8)
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
@@ -289,7 +380,8 @@ def quantize(model: nn.Module, mode: str) -> nn.Module:
         set_module(model, name, quantized_linear(linear.weight.detach(), layer_mode(name, mode), linear.bias))
     embed = getattr(model, "embed_tokens", None)
     if isinstance(embed, nn.Embedding):
-        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype)
+        tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype, model.lm_head if tied else None)
     return model
 
 
@@ -298,9 +390,9 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-# Stacking quantized layers, for decoderlm.model.fuse: the dimension of each tensor that runs over output rows.
+# Stacking quantized layers, for decoderlm.model.fuse: the dimension of each tensor that runs over output rows
+# (packed int4 rows stack exactly at INT4_TILE boundaries).
 ROW_DIM = {"qweight": 0, "scale": 0, "scales_zeros": 1, "bias": 0}
-INT4_TILE = 64  # the CPU kernel packs rows in tiles of up to 64: packed rows stack exactly at tile boundaries
 
 
 def concat(layers: list[nn.Module]) -> nn.Module | None:

@@ -1,5 +1,6 @@
-"""A quantized GGUF stays quantized while it loads: peak memory (ru_maxrss of a fresh process) of
-loading a synthetic 24-layer Q4_1 file, against the same process that only imports torch + decoderlm."""
+"""A quantized GGUF stays quantized while it loads: peak memory (VmHWM of a fresh process, reset after
+its imports) of loading a synthetic 24-layer Q4_1 file, over the same process's memory after importing
+torch + decoderlm."""
 
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ LAYERS, D, FFN, HEADS = 24, 512, 1536, 8
 MB = 2**20
 
 PROBE = """
-import json, resource, sys, torch
+import json, sys, torch
 import decoderlm.formats.gguf, decoderlm.loader  # the baseline: interpreter, torch and decoderlm's code
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
 path, mode = sys.argv[1], sys.argv[2]
-if mode != "none":
-    model, _ = decoderlm.loader.load(path, quantize=None if mode == "float32" else mode)
-    with torch.inference_mode():
-        model(torch.tensor([[1, 2, 3, 4]]))
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+base = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts from here: the imports' own transient peak is not the baseline
+model, _ = decoderlm.loader.load(path, quantize=None if mode == "float32" else mode)
+with torch.inference_mode():
+    model(torch.tensor([[1, 2, 3, 4]]))
+print(json.dumps({"extra": status("VmHWM") - base}))
 """
 
 
@@ -62,28 +68,27 @@ def q4_file(tmp_path_factory) -> Path:
     return path
 
 
-def peak_rss(path: Path, mode: str) -> int:
+def extra_peak_rss(path: Path, mode: str) -> int:
+    """Peak resident memory of loading `path` in a fresh process, over that process's after its imports."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", PROBE, str(path), mode], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["extra"]
 
 
-@pytest.fixture(scope="module")
-def baseline(q4_file) -> int:
-    return peak_rss(q4_file, "none")
-
-
-def test_int4_load_peaks_under_one_and_a_half_file_sizes(q4_file, baseline):
-    """The issue's target for the fastest faithful mode (the KV cache is nil here: no cache, 4 tokens)."""
+@pytest.mark.parametrize(("mode", "files"), [("int4", 1.5), ("int8", 3.0)])
+def test_quantized_load_peaks_under_the_issues_target(q4_file, mode, files):
+    """int4, the fastest faithful mode, under the issue's target of 1.5x the file (the KV cache is nil
+    here: no cache, 4 tokens; measured 1.44x); int8, whose 8-bit layers take twice int4's bytes, under
+    twice that (measured 2.69x)."""
     size = q4_file.stat().st_size
     assert size > 40 * MB
-    extra = peak_rss(q4_file, "int4") - baseline
-    assert extra <= 1.5 * size, f"int4 load took {extra / MB:.0f} MB over the interpreter for a {size / MB:.0f} MB file"
+    extra = extra_peak_rss(q4_file, mode)
+    assert extra <= files * size, f"{mode} load took {extra / MB:.0f} MB over the interpreter for a {size / MB:.0f} MB file"
 
 
-def test_float32_load_holds_the_model_once(q4_file, baseline):
+def test_float32_load_holds_the_model_once(q4_file):
     """No second copy of the model: the fp32 weights plus at most a quarter for one tensor's temporaries."""
     params = LAYERS * (4 * D * D + 3 * D * FFN) + tokenizer_meta()[1] * D
-    extra = peak_rss(q4_file, "float32") - baseline
+    extra = extra_peak_rss(q4_file, "float32")
     assert extra <= 1.25 * 4 * params, f"fp32 load took {extra / MB:.0f} MB for {4 * params / MB:.0f} MB of weights"

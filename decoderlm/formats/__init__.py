@@ -74,10 +74,12 @@ class TensorByTensor:
             bias = module.bias if f"{owner}.bias" in self.loaded else None
             set_module(self.model, owner, quantized_linear(value, layer_mode(owner, self.quantize), bias).to(self.device))
         elif self.quantize and name == "embed_tokens.weight":
-            self.model.embed_tokens = Int8Embedding(value, self.dtype).to(self.device)
-            if self.model.config.tie_embeddings:
-                set_module(self.model, "lm_head", quantized_linear(value, layer_mode("lm_head", self.quantize)).to(self.device))
+            head = None
+            if self.model.config.tie_embeddings:  # the embedding reads its rows from the head where it can
+                head = quantized_linear(value, layer_mode("lm_head", self.quantize)).to(self.device)
+                set_module(self.model, "lm_head", head)
                 self.loaded.add("lm_head.weight")
+            self.model.embed_tokens = Int8Embedding(value, self.dtype, head).to(self.device)
         else:
             setattr(module, param, nn.Parameter(dequantize(value).to(self.device, self.dtype)))
         self.loaded.add(name)

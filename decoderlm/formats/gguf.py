@@ -15,13 +15,11 @@ the model plus one tensor. Quirks undone here:
 
 from __future__ import annotations
 
-import ctypes
 import re
 import warnings
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -34,6 +32,7 @@ from tqdm import tqdm
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import TensorByTensor
+from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies
 from decoderlm.quantize import Blocks
@@ -83,6 +82,8 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
         quantize = native_mode(reader.tensors, torch.device(device))
     config = gguf_config(meta, tensors)
     tokenizer = gguf_tokenizer(meta)
+    generation_defaults = meta.sampling_defaults()
+    reader.fields.clear()  # the metadata, read: its ~100k small arrays (SmolLM2: 63 MB) go before the weights come
     fill = TensorByTensor(config, torch_dtype, device, quantize)
     big = path.stat().st_size > PROGRESS_BYTES
     with path.open("rb") as file:
@@ -97,7 +98,7 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
     model, missing = fill.finish()
     if missing:
         raise DecoderLMError(f"{path.name} lacks tensors for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; the file is incomplete or its architecture is not supported")
-    model.generation_defaults = meta.sampling_defaults()
+    model.generation_defaults = generation_defaults
     return model, tokenizer
 
 
@@ -111,23 +112,6 @@ def native_mode(tensors: list[ReaderTensor], device: torch.device) -> str | None
     if device.type != "cpu" or not sizes:
         return None
     return NATIVE_MODES.get(sizes.most_common(1)[0][0])
-
-
-@lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Hand the heap's freed pages back to the OS. A tensor's temporaries come and go in blocks of
-    a few MB that glibc keeps for reuse, and over hundreds of tensors that slack grew to ~0.8x the
-    quantized model (peak memory); trimming after each tensor costs well under a millisecond."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def open_gguf(path: Path) -> "FastReader":
