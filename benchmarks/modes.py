@@ -12,8 +12,8 @@ from decoderlm.quantize import MODES as QUANTIZE_MODES
 
 REFERENCE = "fp32"  # what every other mode is compared with: the exact dequantization of the file's weights
 MODES: dict[str, dict[str, Any]] = {
-    "fp32": {"dtype": "float32"},
-    "bf16": {"dtype": "bfloat16"},
+    "fp32": {"dtype": "float32", "quantize": "none"},  # chat / generate / serve default to --quantize auto
+    "bf16": {"dtype": "bfloat16", "quantize": "none"},
     "int8": {"quantize": "int8"},
     "int4": {"quantize": "int4"},
 }

@@ -48,15 +48,17 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
     quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`); "auto": a
     quantized GGUF keeps its own precision (Q4 blocks int4, Q8_0 and K-quants int8), anything else
-    loads in `dtype`; None: `dtype` (a quantized GGUF dequantized exactly).
+    loads in `dtype`; None or "none": `dtype` (a quantized GGUF dequantized exactly).
     fuse: q/k/v and gate/up projections stacked for fast inference (see `decoderlm.model.fuse`);
     False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    if quantize == "none":  # the CLI's spelling of None
+        quantize = None
     if quantize is not None:
         from decoderlm.quantize import MODES
 
         if quantize not in (*MODES, "auto"):
-            raise DecoderLMError(f"quantize {quantize!r} is not supported; use one of {', '.join(MODES)}, auto")
+            raise DecoderLMError(f"quantize {quantize!r} is not supported; use one of {', '.join(MODES)}, auto, none")
         path = resolve_source(source)
         if path.is_file() and path.suffix == ".gguf":  # quantized tensor by tensor as it loads
             from decoderlm.formats.gguf import load_gguf

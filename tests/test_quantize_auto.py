@@ -68,6 +68,15 @@ def test_native_mode_follows_the_layers_bulk():
     assert native_mode(mixed, torch.device("cuda")) is None  # the packed kernels are CPU kernels
 
 
+def test_none_is_the_float_path(gguf_files):
+    none, _ = load(gguf_files / "Q4_1.gguf", quantize="none")  # the CLI's spelling, as the benchmarks pass it
+    plain, _ = load(gguf_files / "Q4_1.gguf")
+    assert linear_kinds(none) == {nn.Linear}
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(none(ids).logits, plain(ids).logits)
+
+
 def test_auto_leaves_float_checkpoints_float(tmp_path):
     make_hf_model("llama", tmp_path / "hf")
     model, _ = load(tmp_path / "hf", quantize="auto")
@@ -75,7 +84,7 @@ def test_auto_leaves_float_checkpoints_float(tmp_path):
 
 
 def test_bad_quantize_value_is_one_line_error(gguf_files):
-    with pytest.raises(Exception, match="quantize 'int3' is not supported; use one of int8, int4, auto"):
+    with pytest.raises(Exception, match="quantize 'int3' is not supported; use one of int8, int4, auto, none"):
         load(gguf_files / "Q4_1.gguf", quantize="int3")
 
 

@@ -92,11 +92,6 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
 
 
-def quantize_mode(args: argparse.Namespace) -> str | None:
-    """--quantize as `decoderlm.load` takes it ("none" is None)."""
-    return None if args.quantize == "none" else args.quantize
-
-
 def apply_run_flags(args: argparse.Namespace) -> torch.device:
     """Check --threads and --device (before any slow work) and apply --threads; return the device."""
     if args.threads is not None:
@@ -113,7 +108,7 @@ def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    model, tokenizer = load(source, dtype=args.dtype, quantize=quantize_mode(args), device=device)
+    model, tokenizer = load(source, dtype=args.dtype, quantize=args.quantize, device=device)
     if getattr(args, "compile", False) is not False:  # None: a package built earlier, if any
         compiled.enable(model, build=args.compile is True)
     return model, tokenizer

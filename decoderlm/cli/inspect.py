@@ -18,7 +18,6 @@ from decoderlm.cli.common import (
     check_out_file,
     load_model,
     model_source,
-    quantize_mode,
 )
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
@@ -140,7 +139,7 @@ def run_check(args: argparse.Namespace) -> int:
             torch.manual_seed(seed)
             with torch.device(device):
                 model = Transformer(config).to(resolve_dtype(args.dtype)).eval()
-            if quantize_mode(args) not in (None, "auto"):  # auto keeps a float model float
+            if args.quantize not in ("none", "auto"):  # auto keeps a float model float
                 quantize(model, args.quantize)
             result = _check_model(args.property, model, args, seed)
     else:

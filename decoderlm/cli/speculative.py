@@ -6,7 +6,6 @@ import argparse
 import sys
 from collections.abc import Iterator
 
-from decoderlm.cli.common import quantize_mode
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import stream
 from decoderlm.loader import load
@@ -53,7 +52,7 @@ def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) 
         return Decoding(model, PromptLookup(args.prompt_lookup), args.num_speculative_tokens)
     if args.draft_model is None:
         return Decoding(model)
-    draft, draft_tokenizer = load(args.draft_model, dtype=args.dtype, quantize=quantize_mode(args))
+    draft, draft_tokenizer = load(args.draft_model, dtype=args.dtype, quantize=args.quantize)
     check_vocabularies(tokenizer, draft_tokenizer)
     draft.to(next(model.parameters()).device)
     return Decoding(model, DraftModel(draft), args.num_speculative_tokens)
