@@ -1,9 +1,9 @@
 """Generation speed on this machine: decoderlm vs HF transformers vs llama.cpp, same model, same run.
 
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
-of benchmarks/modes.py (fp32, the default; bf16; int8 / int4 weights, ...); transformers dequantizes
-it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs the Q4_1 weights as they
-are. Each engine streams greedy tokens for the same prompt ids; time to the first token measures
+of benchmarks/modes.py (fp32; bf16; int8 / int4 weights, int4 being the default on this Q4_1 file);
+transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
+the Q4_1 weights as they are. Each engine streams greedy tokens for the same prompt ids; time to the first token measures
 prefill, the rest measures decode. Engines are interleaved within each repeat and the median over
 repeats is reported, so a slow moment of the machine hits every engine alike.
 
