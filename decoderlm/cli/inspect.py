@@ -21,7 +21,7 @@ from decoderlm.cli.common import (
 )
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.inspect import checks, explain, report
+from decoderlm.inspect import checks, report
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
@@ -159,6 +159,8 @@ def _check_model(prop: str, model: Transformer, args: argparse.Namespace, seed: 
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    from decoderlm.inspect import explain  # matplotlib: 0.4 s that no other command should pay at start
+
     if args.what == "softmax":
         print(explain.softmax_demo())
         return 0

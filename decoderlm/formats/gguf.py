@@ -16,6 +16,8 @@ the model plus one tensor. Quirks undone here:
 from __future__ import annotations
 
 import re
+import struct
+import sys
 import warnings
 from collections import Counter
 from functools import lru_cache
@@ -24,7 +26,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tqdm import tqdm
@@ -126,13 +128,37 @@ def open_gguf(path: Path) -> "FastReader":
 
 
 class FastReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of the memory map: slicing an np.memmap runs Python code
-    per slice, which made reading the ~100k tokenizer strings take seconds (4x faster this way)."""
+    """GGUFReader, faster where a file's header is long (a tokenizer's ~100k strings): it reads a plain
+    ndarray view of the memory map (slicing an np.memmap runs Python code per slice), and it cuts
+    arrays of strings or numbers in one pass into the parts the library would make (it makes each
+    element with several numpy calls: 0.8 s of a cold `chat`'s start on SmolLM2, now well under 0.1 s)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "data" and isinstance(value, np.memmap):
             value = value.view(np.ndarray)  # still backed by (and keeping alive) the same mapping
         super().__setattr__(name, value)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[GGUFValueType]]:
+        """(size, parts, indices of the value parts, types) of the value at orig_offs, as the library's."""
+        data = self.data
+        item_type = int(data[orig_offs : orig_offs + 4].view(np.uint32)[0]) if raw_type == GGUFValueType.ARRAY else None
+        scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type)) if item_type is not None else None
+        if self.byte_order != "I" or sys.byteorder != "little" or not (item_type == GGUFValueType.STRING or scalar):
+            return super()._get_field_parts(orig_offs, raw_type)  # single values, nested arrays, big-endian files
+        parts = [data[orig_offs : orig_offs + 4].view(np.uint32), data[orig_offs + 4 : orig_offs + 12].view(np.uint64)]
+        count, offs = int(parts[1][0]), orig_offs + 12
+        if scalar is not None:  # one (1,) view per element, like the library's
+            values = data[offs : offs + count * np.dtype(scalar).itemsize].view(scalar)
+            parts += list(values.reshape(count, 1))
+            offs += values.nbytes
+        else:  # per string: its uint64 length, then its bytes
+            for _ in range(count):
+                n = struct.unpack_from("<Q", data, offs)[0]
+                parts += (data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + n])
+                offs += 8 + n
+        values_at = list(range(2, len(parts))) if scalar is not None else list(range(3, len(parts), 2))
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType(item_type)] if count else [])
+        return offs - orig_offs, parts, values_at, types
 
 
 class Metadata:
