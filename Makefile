@@ -29,7 +29,9 @@ demo-train: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q llama-cpp-python || echo "llama-cpp-python did not install: the benchmark runs without the llama.cpp peer"
+	$(PY) benchmarks/quality.py
 	$(PY) benchmarks/generate_speed.py
+	$(PY) benchmarks/compiled_decode.py
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
