@@ -10,11 +10,15 @@ import argparse
 import re
 import socket
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from decoderlm.cli.common import add_model_flags, load_model
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
 
+T = TypeVar("T")
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -54,6 +58,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def in_passing_thread(work: Callable[[], T]) -> T:
+    """work() in a thread that ends afterwards. OpenMP (libgomp) keeps a pool of worker threads for each
+    thread that has run parallel work, and with more pooled threads than cores its workers stop spinning
+    between parallel regions: a model loaded (and its KV pool filled) on the main thread and run on the
+    engine's thread decoded at half speed. A thread's pool goes when the thread ends, so all torch work
+    before the engine starts runs here and the engine's thread is left with the only pool."""
+    with ThreadPoolExecutor(1, thread_name_prefix="decoderlm-load") as pool:
+        return pool.submit(work).result()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from decoderlm.serve import Engine
     from decoderlm.serve.api import create_app, serve
@@ -63,8 +77,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
     sock = bind(args.host, args.port)
     try:
-        model, tokenizer = load_model(args)
-        engine = Engine(model, max_batch=args.max_batch, kv_cache_memory=memory)
+        def build() -> tuple[Engine, object]:
+            model, tokenizer = load_model(args)
+            return Engine(model, max_batch=args.max_batch, kv_cache_memory=memory), tokenizer
+
+        engine, tokenizer = in_passing_thread(build)
+        model = engine.model
         app = create_app(engine, tokenizer, args.model, args.api_key, max_seq_len=model.config.max_seq_len,
                          sampling_defaults=model.generation_defaults)
         host, port = sock.getsockname()[:2]
