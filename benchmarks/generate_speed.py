@@ -27,12 +27,10 @@ import argparse
 import json
 import os
 import platform
-import queue
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,7 +49,7 @@ RESULTS = Path(__file__).parent / "results" / "generate_speed.json"
 QUALITY = Path(__file__).parent / "results" / "quality.json"  # written by quality.py
 TEXT = ("The history of the decoder-only Transformer begins with language modelling: predict the next token "
         "from the tokens before it. Stacking causal self-attention and feed-forward blocks, ") * 20
-Engine = Callable[[list[int], int], Iterable[int]]
+Engine = Callable[[list[int], int], Iterable[int] | Iterable[tuple[float, int]]]  # see timed()
 DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
 TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
 BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
@@ -99,15 +97,17 @@ for chunk in llm.create_chat_completion([{"role": "user", "content": sys.argv[3]
 """
 
 
-def timed(tokens: Iterable[int]) -> tuple[float, float, list[int]]:
-    """Consume a token stream; return (seconds to first token, seconds for the rest, ids)."""
+def timed(tokens: Iterable[int | tuple[float, int]]) -> tuple[float, float, list[int]]:
+    """Consume a token stream; return (seconds to first token, seconds from it to the last, ids). An
+    engine may yield (time.perf_counter() when the token came, token) instead, when it produces its
+    tokens before handing them over (transformers, see transformers_engine)."""
     t0 = time.perf_counter()
-    out, t_first = [], 0.0
-    for tok in tokens:
-        if not out:
-            t_first = time.perf_counter() - t0
+    stamps, out = [], []
+    for item in tokens:
+        stamp, tok = item if isinstance(item, tuple) else (time.perf_counter(), item)
+        stamps.append(stamp)
         out.append(int(tok))
-    return t_first, time.perf_counter() - t0 - t_first, out
+    return stamps[0] - t0, stamps[-1] - stamps[0], out
 
 
 def decoderlm_engine(gguf: Path, load_kwargs: dict) -> Engine:
@@ -127,26 +127,25 @@ def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
 
     class Streamer:  # transformers calls put() with the prompt first, then with each new token
         def __init__(self) -> None:
-            self.q: queue.Queue = queue.Queue()
+            self.stamped: list[tuple[float, int]] = []
             self.first = True
 
         def put(self, value: torch.Tensor) -> None:
             if self.first:
                 self.first = False
                 return
-            self.q.put(int(value.reshape(-1)[0]))
+            self.stamped.append((time.perf_counter(), int(value.reshape(-1)[0])))
 
         def end(self) -> None:
-            self.q.put(None)
+            pass
 
-    def run(ids: list[int], n: int) -> Iterable[int]:
+    def run(ids: list[int], n: int) -> Iterable[tuple[float, int]]:
+        # generate runs in this thread and the tokens are handed over, stamped, when it returns. Run in
+        # a second thread to stream them live, torch would keep a second OpenMP pool, and two pools on
+        # this machine's cores halve the speed of both (see decoderlm/cli/serve.py).
         streamer = Streamer()
-        kwargs = dict(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)
-        thread = threading.Thread(target=lambda: model.generate(**kwargs))
-        thread.start()
-        while (tok := streamer.q.get()) is not None:
-            yield tok
-        thread.join()
+        model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)
+        yield from streamer.stamped
 
     return run
 

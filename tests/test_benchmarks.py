@@ -100,3 +100,33 @@ def test_cold_start_reports_the_childs_own_peak_memory_not_the_parents() -> None
     run = generate_speed.cold_run([sys.executable, "-c", "b = b'x' * (150 * 10**6); print('ready', flush=True)"])
     assert 150 < run.peak_rss_mb < 400 and ballast.sum() > 0
     assert 0 < run.first_output_s < 60
+
+
+def test_transformers_runs_in_this_thread_and_its_tokens_are_timed_as_they_came(tmp_path: Path) -> None:
+    """A second thread running torch gives the process a second OpenMP pool, which slowed the peer by up to
+    2x here: transformers generates on the caller's thread, and timed() uses the stamps of its streamer."""
+    import threading
+
+    import torch
+
+    quality, generate_speed = benchmark("quality"), benchmark("generate_speed")
+    gguf = quality.tiny_gguf(tmp_path / "tiny.gguf")
+    run = generate_speed.transformers_engine(gguf, torch.float32)
+    threads = []
+    real_thread_start = threading.Thread.start
+    threading.Thread.start = lambda self: (threads.append(self), real_thread_start(self))[1]
+    try:
+        first, rest, out = generate_speed.timed(run([1, 2, 3, 4], 6))
+    finally:
+        threading.Thread.start = real_thread_start
+    assert not threads
+    assert len(out) == 6 and first > 0 and rest > 0
+    model, _ = load(gguf)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        for tok in out:  # greedy, as the streamer saw it
+            nxt = int(model(ids).logits[0, -1].argmax())
+            assert nxt == tok
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    stamped = generate_speed.timed(iter([(10.0, 7), (10.5, 8), (12.0, 9)]))
+    assert stamped[1:] == (2.0, [7, 8, 9])
