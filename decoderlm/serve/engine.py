@@ -194,7 +194,9 @@ class Engine:
             return stats
 
     def start(self) -> None:
-        """Run the loop in a daemon thread (do not call `step` yourself after this)."""
+        """Run the loop in a daemon thread (do not call `step` yourself after this). For full speed no
+        other living thread should have run torch work: build the model in a thread that has ended, as
+        `decoderlm serve` does (decoderlm.cli.serve.in_passing_thread says why)."""
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="decoderlm-engine", daemon=True)
