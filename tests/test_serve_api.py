@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from serve_helpers import ServerProcess, ThreadServer, metrics
 
 import decoderlm
-from decoderlm.cli.serve import parse_size
+from decoderlm.cli.serve import in_passing_thread, parse_size
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
@@ -110,6 +110,23 @@ def test_bad_flags_are_one_line_exit_2(cli, capsys, argv, needle):
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_model_load_error_through_the_loading_thread_is_one_line_exit_2(cli, capsys, tmp_path):
+    assert cli(["serve", "--port", "0", "--model", str(tmp_path / "missing.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and err.count("\n") == 1
+
+
+def test_work_before_the_engine_runs_on_a_thread_that_has_ended():
+    """The engine's thread must hold the process's only OpenMP pool (see in_passing_thread)."""
+    import threading
+
+    ran_on = []
+    result = in_passing_thread(lambda: ran_on.append(threading.current_thread()) or torch.ones(4096).sum().item())
+    assert result == 4096 and ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    with pytest.raises(DecoderLMError, match="bad"):
+        in_passing_thread(lambda: (_ for _ in ()).throw(DecoderLMError("bad")))
 
 
 def test_port_in_use_is_one_line_exit_2(cli, capsys):
