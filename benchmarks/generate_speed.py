@@ -3,9 +3,10 @@
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
 of benchmarks/modes.py (fp32; bf16; int8 / int4 weights, int4 being the default on this Q4_1 file);
 transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
-the Q4_1 weights as they are. Each engine streams greedy tokens for the same prompt ids; time to the first token measures
-prefill, the rest measures decode. Engines are interleaved within each repeat and the median over
-repeats is reported, so a slow moment of the machine hits every engine alike.
+the Q4_1 weights as they are. Each engine decodes greedy tokens for the same prompt ids, the torch
+engines all on this one thread (see transformers_engine); time to the first token measures prefill,
+the rest measures decode. Engines are interleaved within each repeat and the median over repeats is
+reported, so a slow moment of the machine hits every engine alike.
 
 A second pass starts each decoderlm mode cold, as a user would: `decoderlm chat --message ...` in a
 fresh process, timed from the process's start to its first streamed byte, with the process's peak
