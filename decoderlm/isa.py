@@ -1,0 +1,67 @@
+"""CPU dispatch levels: the instruction sets torch's kernels run at, and how to make a process use one.
+
+torch picks its ATen kernels (the packed int4/int8 matmuls among them) and inductor's vector width by
+`ATEN_CPU_CAPABILITY`, oneDNN (bf16 matmuls) by `ONEDNN_MAX_CPU_ISA` and MKL (fp32 matmuls) by
+`MKL_ENABLE_INSTRUCTIONS`. Setting all three for a child process makes an AVX-512 machine compute as an
+AVX2 (or a plain x86-64) machine would, so every level decoderlm ships for is tested on one machine.
+The variables are read once, when torch loads: a level is chosen per process, never switched inside one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from functools import cache
+
+import torch
+
+LEVELS = ("default", "avx2", "avx512")  # ATen's names, lowest first
+_ONEDNN = {"default": "SSE41", "avx2": "AVX2"}  # avx512: no cap (the CPU's best, AMX and BF16 included)
+_MKL = {"default": "SSE4_2", "avx2": "AVX2"}
+# /proc/cpuinfo flags ATen checks before it runs a level's kernels
+_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}}
+
+
+def current() -> str:
+    """The level this process's torch kernels run at ("default", "avx2", "avx512"; others as torch names them)."""
+    return torch.backends.cpu.get_cpu_capability().lower()
+
+
+@cache
+def supported() -> tuple[str, ...]:
+    """The levels this CPU can run, lowest first (x86-64 only; elsewhere just the native one)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return (native(),)
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    if not flags:  # no /proc: ask a child torch that has no level forced
+        top = native()
+        return LEVELS[: LEVELS.index(top) + 1] if top in LEVELS else (top,)
+    return ("default", *(level for level in ("avx2", "avx512") if _FLAGS[level] <= flags))
+
+
+@cache
+def native() -> str:
+    """The level torch picks on this machine when nothing forces one."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def env(level: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of `base` (default: os.environ) that makes a child process run at `level`."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown CPU level {level!r}; use one of {', '.join(LEVELS)}")
+    out = dict(os.environ if base is None else base)
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        out.pop(name, None)
+    out["ATEN_CPU_CAPABILITY"] = level
+    if level in _ONEDNN:
+        out["ONEDNN_MAX_CPU_ISA"] = _ONEDNN[level]
+        out["MKL_ENABLE_INSTRUCTIONS"] = _MKL[level]
+    return out
