@@ -8,16 +8,20 @@ the model's dtype. PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pa
 multiply activations by the packed weights directly, and only in bf16 (their fp16 and fp32 paths
 are 20-30x slower in torch 2.13), so activations, scales and outputs of a quantized matmul are bf16.
 Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
-call instead: slower, the same numbers up to bf16 rounding. That is also the fast way for many rows
-at once (a prompt's prefill): the kernels dequantize again for every few rows, so from `dense_rows`
-rows on a packed layer dequantizes its weight once (exactly, rounded once to bf16) for a dense matmul.
+call instead. That is also the fast way for many tokens at once (a prompt's prefill): the kernels
+dequantize again for every few rows, so from DENSE_TOKENS tokens per sequence on a packed layer
+dequantizes its weight once (exactly, rounded once to `dense_dtype()`) for a dense matmul.
+
+The packed layout depends on the CPU level torch runs at (`Layout`: tiles of 64 rows on AVX-512, 32
+on AVX2 and plain x86-64); it is detected once per process, and everything that reads packed bytes
+(the dense path, the tied embedding, stacking layers) goes through it.
 
 int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
 4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
 layout cannot take. Weights a GGUF file already stores as Q4_0 / Q4_1 / Q8_0 blocks (`Blocks`) are
-used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes.
+used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes, and
+its logits leave it in fp32, the best candidates of each row computed exactly (`rescore`).
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
@@ -104,7 +108,10 @@ def row_int8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x · (q · s)ᵀ + b, with q int8 (out, in) and one scale s per output row (symmetric)."""
+    """y = x · (q · s)ᵀ + b, with q int8 (out, in) and one scale s per output row (symmetric). As the LM
+    head (`exact`), it returns fp32 logits, its best candidates rescored (`rescore`)."""
+
+    exact = False  # set on the LM head
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None) -> None:
         super().__init__()
@@ -125,8 +132,14 @@ class Int8Linear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(h, self.qweight, self.scale)
         else:
             y = F.linear(h, self.qweight.to(COMPUTE) * self.scale[:, None])
+        if self.exact:
+            return rescore(y, x.reshape(h.shape), self.weight_rows, self.bias).view(*x.shape[:-1], -1)
         y = y.view(*x.shape[:-1], -1).to(x.dtype)  # (..., out)
         return y if self.bias is None else y + self.bias
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows `ids` (...) of the weight, exactly, in fp32 (..., in)."""
+        return self.qweight[ids].float() * self.scale[ids].float()[..., None]
 
 
 def pack_int4(q_chunks: Iterable[torch.Tensor], shape: tuple[int, int], fast: bool) -> torch.Tensor:
@@ -143,28 +156,73 @@ def pack_int4(q_chunks: Iterable[torch.Tensor], shape: tuple[int, int], fast: bo
     return packed
 
 
-INT4_TILE = 64  # the CPU kernel packs rows in tiles of 64 (and one tile of the remaining rows)
 Rows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def packed_t(packed: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The transposed weight values (in, out), bf16, of a weight packed by `_convert_weight_to_int4pack_for_cpu`
-    (out, in/2): byte j of a 64-row tile holds rows j (low nibble) and 32 + j (high) for one input; the
-    remaining rows form one tile of t rows whose byte j holds rows 2j and 2j + 1. rows(bytes) gives the
-    int8 values of the low-nibble rows and of the high-nibble rows from bytes (..., packed inputs, j)."""
+@dataclass(frozen=True)
+class Layout:
+    """How `_convert_weight_to_int4pack_for_cpu` lays out a weight (out, in), which depends on the CPU
+    level torch's kernels run at (its tiles are as wide as four vectors of fp32). Rows go in tiles of
+    `tile` rows (the last tile takes the remaining rows); a tile of t rows is stored as (in, t/2) bytes.
+    In a full tile byte j holds rows j (low nibble) and t/2 + j (high) when `halves` (AVX2, AVX-512),
+    rows 2j and 2j + 1 otherwise (the plain kernels); the last, partial tile always holds pairs."""
+
+    tile: int
+    halves: bool
+
+    def owner(self, rows: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For row indices (...): the first row of their tile, its row count t, and where each row sits
+        in it: byte j of a run of t/2, nibble u (0 low, 1 high)."""
+        full = n_rows - n_rows % self.tile
+        partial = rows >= full
+        start = torch.where(partial, full, rows - rows % self.tile)
+        t = torch.where(partial, n_rows - full, self.tile)
+        r, half = rows - start, t // 2
+        pairs = partial | (not self.halves)
+        return start, t, torch.where(pairs, r // 2, r % half), torch.where(pairs, r % 2, r // half)
+
+
+LAYOUTS = (Layout(64, True), Layout(32, True), Layout(32, False))  # AVX-512, AVX2, plain (torch 2.5-2.13)
+
+
+@cache
+def layout() -> Layout | None:
+    """The layout this process's torch packs int4 in (checked once on a small weight), or None when it is
+    none we know: then packed layers always use the kernel and nothing reads their bytes."""
+    q = torch.randint(0, 16, (2 * 64 + 16, 2 * GROUP), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+    return next((lay for lay in LAYOUTS if torch.equal(packed_t(packed, nibbles, lay), (q.t() - 8).to(COMPUTE))), None)
+
+
+def packed_t(packed: torch.Tensor, rows: Rows, lay: Layout, dtype: torch.dtype = COMPUTE) -> torch.Tensor:
+    """The transposed weight values (in, out) of a weight packed in layout `lay`, (out, in/2) bytes.
+    rows(bytes) gives the int8 values of the low-nibble rows and of the high-nibble rows from bytes
+    (..., packed inputs, j)."""
     N, packed_in = packed.shape[0], packed.shape[1] * 2
-    full = N - N % INT4_TILE
-    half = INT4_TILE // 2
-    low, high = rows(packed[:full].view(full // INT4_TILE, packed_in, half))  # (N/64, K, 32) each
+    full, half = N - N % lay.tile, lay.tile // 2
+    low, high = rows(packed[:full].view(full // lay.tile, packed_in, half))  # (tiles, K, t/2) each
     K = low.shape[1]
-    w = torch.empty(K, N, dtype=COMPUTE)
-    into = w[:, :full].view(K, -1, 2, half)  # (K, N/64, 2, 32): row 64·i + 32·h + j
-    into[:, :, 0].copy_(low.transpose(0, 1))
-    into[:, :, 1].copy_(high.transpose(0, 1))
+    w = torch.empty(K, N, dtype=dtype)
+    if lay.halves:  # row tile·i + half·u + j
+        into = w[:, :full].view(K, -1, 2, half)
+        into[:, :, 0].copy_(low.transpose(0, 1))
+        into[:, :, 1].copy_(high.transpose(0, 1))
+    else:  # row tile·i + 2j + u
+        into = w[:, :full].view(K, -1, half, 2)
+        into[..., 0].copy_(low.transpose(0, 1))
+        into[..., 1].copy_(high.transpose(0, 1))
     if full < N:
         low, high = rows(packed[full:].view(packed_in, (N - full) // 2))  # (K, t/2) each
         w[:, full:].view(K, -1, 2).copy_(torch.stack((low, high), -1))
     return w
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Rows `ids` (...) of a packed weight (out, in/2) as their 4-bit values (..., in), uint8 0..15."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    start, t, j, u = lay.owner(ids, N)
+    index = (start * (K // 2) + j)[..., None] + torch.arange(K, device=ids.device) * (t // 2)[..., None]  # (..., K)
+    return (packed.view(-1)[index] >> (4 * u).to(torch.uint8)[..., None]) & 15
 
 
 def nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,23 +238,49 @@ def q8_bytes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @cache
-def tiles_readable() -> bool:
-    """Whether this torch packs int4 as `packed_t` reads it (checked once on a small weight)."""
-    q = torch.randint(0, 16, (INT4_TILE + 16, 2 * GROUP), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    return torch.equal(packed_t(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), nibbles), (q.t() - 8).to(COMPUTE))
+def dense_dtype() -> torch.dtype:
+    """The dtype of a prefill's dense matmuls: bf16 where the CPU multiplies bf16 natively (AVX-512 BF16
+    at the AVX-512 level), else fp32 (bf16 matmuls run ~10-100x slower there than fp32 ones)."""
+    from decoderlm import isa
+
+    return COMPUTE if isa.current() == "avx512" and torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
+DENSE_TOKENS = 64  # from this many tokens per sequence in one forward (a prefill) packed layers multiply densely
+EXACT_TOP = 64  # the LM head rescores this many best candidates of each row exactly in fp32
+
+
+def tokens_per_sequence(x: torch.Tensor) -> int:
+    """T of an input (B, T, in); the rows of a 2-D input (N, in) count as one sequence."""
+    return x.shape[-2] if x.dim() >= 2 else 1
+
+
+def rescore(y: torch.Tensor, h: torch.Tensor, weight_rows: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits (N, V) from a quantized head's bf16 ones y: each row's EXACT_TOP best recomputed
+    exactly, fp32 input · fp32 weight rows. bf16 steps are 2^-8 of a value (0.125 at 25), so two
+    candidates a float path tells apart can tie in bf16; the exact values break such ties as the float
+    path does. Scores outside a row's top EXACT_TOP keep their bf16 value (they are far below the best,
+    and move a probability by < 0.4 %)."""
+    y = y.float()
+    top = y.topk(min(EXACT_TOP, y.shape[-1]), dim=-1).indices  # (N, k)
+    exact = (weight_rows(top) * h.float()[:, None, :]).sum(-1)  # (N, k, in) · (N, 1, in) → (N, k)
+    if bias is not None:
+        exact = exact + bias.float()[top]
+    return y.scatter(-1, top, exact)
 
 
 class Int4Linear(nn.Module):
     """4-bit weights: each group of 32 inputs of a row has its own scale and zero point (asymmetric,
     like Q4_1), w = (q - 8) · scale + zero with q in 0..15. Needs in % 32 == 0 and out % 16 == 0.
 
-    From `dense_rows` input rows on (a prefill) the weight is dequantized to bf16 for the call and
-    multiplied densely: the kernel dequantizes per few rows, so its cost grows with the rows, while
-    dequantizing once costs about half a dense matmul of 128 rows. Fewer rows (decoding, the
-    server's batched steps) keep the kernel. Measured on SmolLM2-135M's layers: the two cross at
-    56-96 rows (1-2 threads)."""
+    When each sequence feeds DENSE_TOKENS tokens or more (a prefill) the weight is dequantized for the
+    call (to `dense_dtype()`) and multiplied densely: the kernel dequantizes per few rows, so its cost
+    grows with the rows, while dequantizing once costs about half a dense matmul of 128 rows. Fewer
+    tokens (decoding, the server's batched steps, short prompts) keep the kernel. The choice goes by
+    tokens per sequence, never by batch size, so a request gets the same numbers alone or in a batch.
+    As the LM head (`exact`), the layer returns fp32 logits, its best candidates rescored (`rescore`)."""
 
-    dense_rows = 64
+    exact = False  # set on the LM head
 
     def __init__(self, q: torch.Tensor | Iterable[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
                  bias: nn.Parameter | None = None) -> None:
@@ -238,23 +322,36 @@ class Int4Linear(nn.Module):
         return cls(q.reshape(N, K), scale, low + 8 * scale, bias)  # the kernel's (q - 8)·scale + zero is low + q·scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(COMPUTE).reshape(-1, x.shape[-1])  # (N, in)
-        if self.fast and (h.shape[0] < self.dense_rows or not tiles_readable()):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self.kernel_input(h), self.qweight, GROUP, self.scales_zeros)
-        else:  # many rows: dequantizing once and a dense matmul beat the kernel's per-row dequantization
-            y = h @ self.dense_t()
-        y = y.view(*x.shape[:-1], -1).to(x.dtype)  # (..., out)
+        h = x.reshape(-1, x.shape[-1])  # (N, in)
+        if self.fast and (tokens_per_sequence(x) < DENSE_TOKENS or layout() is None):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self.kernel_input(h.to(COMPUTE)), self.qweight, GROUP, self.scales_zeros)
+            if self.exact:
+                return rescore(y, h, self.weight_rows, self.bias).view(*x.shape[:-1], -1)
+        else:  # a prefill: dequantizing once and a dense matmul beat the kernel's per-row dequantization
+            dtype = torch.float32 if self.exact else dense_dtype()
+            y = h.to(dtype) @ self.dense_t(dtype)
+        y = y.view(*x.shape[:-1], -1).to(torch.float32 if self.exact else x.dtype)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
-    def dense_t(self) -> torch.Tensor:
-        """The weight (in, out) in bf16: (q - 8)·scale + zero, computed in fp32 (exact) and rounded once."""
-        q = packed_t(self.qweight, nibbles) if self.fast else self.qweight.t().contiguous().to(COMPUTE) - 8  # (K, N)
+    def dense_t(self, dtype: torch.dtype = COMPUTE) -> torch.Tensor:
+        """The weight (in, out) in `dtype`: (q - 8)·scale + zero, computed in fp32 (exact) and rounded once."""
+        q = packed_t(self.qweight, nibbles, layout(), dtype) if self.fast else self.qweight.t().to(dtype) - 8  # (K, N)
         K, N = q.shape
         scale, zero = (t.contiguous()[:, None] for t in self.scales_zeros.unbind(-1))  # (K/32, 1, N)
         return torch.addcmul(zero, q.view(K // GROUP, GROUP, N), scale, out=q.view(K // GROUP, GROUP, N)).view(K, N)
+
+    def q_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The 4-bit values q (..., in), 0..15, of output rows `ids` (...)."""
+        return packed_rows(self.qweight, ids, layout()) if self.fast else self.qweight[ids]
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows `ids` (...) of the weight, exactly, in fp32 (..., in)."""
+        q = self.q_rows(ids).float() - 8
+        scale, zero = self.scales_zeros[:, ids].float().movedim(0, -2).unbind(-1)  # (..., in/32) each
+        return (q.unflatten(-1, (-1, GROUP)) * scale[..., None] + zero[..., None]).flatten(-2)
 
 
 class Int8GroupLinear(Int4Linear):
@@ -266,8 +363,6 @@ class Int8GroupLinear(Int4Linear):
     (it ran faster than the int8 kernel on SmolLM2's LM head). A prefill's dense weight is d·q itself,
     so the dense path pays off sooner than int4's (the kernel reads the input twice): 28-64 rows."""
 
-    dense_rows = 40
-
     def __init__(self, b: Blocks, bias: nn.Parameter | None = None) -> None:
         d = b.d  # (out, in/32)
         chunks = (torch.cat((u >> 4, u & 15), 1) for u in (q.view(torch.uint8) ^ 128 for q in b.q.split(PACK_ROWS)))  # q + 128
@@ -276,16 +371,27 @@ class Int8GroupLinear(Int4Linear):
     def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat((h, h), -1)
 
-    def dense_t(self) -> torch.Tensor:
-        """The weight (in, out) in bf16: d·q, computed in fp32 (exact) and rounded once."""
+    def dense_t(self, dtype: torch.dtype = COMPUTE) -> torch.Tensor:
+        """The weight (in, out) in `dtype`: d·q, computed in fp32 (exact) and rounded once."""
         if self.fast:
-            q = packed_t(self.qweight, q8_bytes)  # (K, N)
+            q = packed_t(self.qweight, q8_bytes, layout(), dtype)  # (K, N)
         else:
             h, l = self.qweight.to(torch.int16).chunk(2, dim=1)
-            q = (16 * h + l - 128).t().contiguous().to(COMPUTE)
+            q = (16 * h + l - 128).t().to(dtype)
         K, N = q.shape
         d = self.scales_zeros[K // GROUP :, :, 0].contiguous()[:, None]  # (K/32, 1, N): the l half's scale
         return torch.mul(q.view(K // GROUP, GROUP, N), d, out=q.view(K // GROUP, GROUP, N)).view(K, N)
+
+    def q_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The 8-bit values q (..., in), int8, of output rows `ids` (...): 16·h + l - 128 from the h
+        nibbles (the first half of the packed inputs) and the l nibbles (the second)."""
+        h, l = super().q_rows(ids).to(torch.int16).chunk(2, dim=-1)
+        return (16 * h + l - 128).to(torch.int8)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.q_rows(ids).float()  # (..., in)
+        d = self.scales_zeros[q.shape[-1] // GROUP :, ids, 0].float().movedim(0, -1)  # (..., in/32)
+        return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2)
 
 
 def q8_blocks(w: Weight) -> Blocks:
@@ -310,7 +416,7 @@ class Int8Embedding(nn.Module):
     def __init__(self, w: Weight, dtype: torch.dtype, head: nn.Module | None = None) -> None:
         super().__init__()
         b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(dequantize(w))
-        shared = isinstance(head, Int8GroupLinear) and head.fast and b.q.shape[0] % INT4_TILE == 0 and tiles_readable()
+        shared = isinstance(head, Int8GroupLinear) and (not head.fast or layout() is not None)
         self.tied = (head,) if shared else ()  # a tuple: the head stays the model's module, not a second child
         self.register_buffer("qweight", None if shared else b.q)  # (V, D) int8
         self.register_buffer("scales", b.d.float())  # (V, D/32)
@@ -318,18 +424,9 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = b.q.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = (self.head_rows(ids) if self.tied else F.embedding(ids, self.qweight)).float()  # (..., D)
+        q = (self.tied[0].q_rows(ids) if self.tied else F.embedding(ids, self.qweight)).float()  # (..., D)
         d = F.embedding(ids, self.scales)  # (..., D/32)
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
-
-    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (...,) as int8 (..., D) from the tied head's tiles: row 64·i + 32·u + j, of value
-        16·h + l - 128, has h in the first D inputs' bytes j and l in the last D's, in nibble u."""
-        D = self.embedding_dim
-        tiles = self.tied[0].qweight.view(-1, 2, D, INT4_TILE // 2).permute(0, 3, 1, 2)  # (V/64, j, h|l, D)
-        hl = tiles[ids >> 6, ids & 31] >> ((ids & 32) >> 3).to(torch.uint8)[..., None, None]  # (..., 2, D): nibble u moved low
-        h, l = hl.unbind(-2)
-        return ((h << 4) | (l & 15)).bitwise_xor_(128).view(torch.int8)
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
@@ -341,16 +438,20 @@ def quantized_linear(w: Weight, mode: str, bias: nn.Parameter | None = None) -> 
     """The layer `mode` makes of weight w (out, in). int4: a file's Q4 blocks as they are, float
     weights on their own 4-bit grid. int8 and "q8" (the LM head in both modes): a file's Q8_0 blocks
     as they are, anything else rounded to Q8_0's grid (8 bits, a scale per 32 inputs: finer than one
-    per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row."""
+    per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row.
+    The LM head's layer returns fp32 logits (`rescore`)."""
     if not int4_fits(tuple(w.shape)):
-        return Int8Linear.from_weight(w, bias)
-    if isinstance(w, Blocks) and w.bits == 8:
-        return Int8GroupLinear(w, bias)
-    if isinstance(w, Blocks) and mode in ("int4", "q8"):
-        return Int4Linear.from_blocks(w, bias)
-    if mode == "int4":
-        return Int4Linear.from_weight(w, bias)
-    return Int8GroupLinear(q8_blocks(w), bias)
+        layer = Int8Linear.from_weight(w, bias)
+    elif isinstance(w, Blocks) and w.bits == 8:
+        layer = Int8GroupLinear(w, bias)
+    elif isinstance(w, Blocks) and mode in ("int4", "q8"):
+        layer = Int4Linear.from_blocks(w, bias)
+    elif mode == "int4":
+        layer = Int4Linear.from_weight(w, bias)
+    else:
+        layer = Int8GroupLinear(q8_blocks(w), bias)
+    layer.exact = mode == "q8"
+    return layer
 
 
 def layer_mode(name: str, mode: str) -> str:
@@ -391,17 +492,20 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 # Stacking quantized layers, for decoderlm.model.fuse: the dimension of each tensor that runs over output rows
-# (packed int4 rows stack exactly at INT4_TILE boundaries).
+# (packed int4 rows stack exactly at tile boundaries).
 ROW_DIM = {"qweight": 0, "scale": 0, "scales_zeros": 1, "bias": 0}
 
 
 def concat(layers: list[nn.Module]) -> nn.Module | None:
     """One quantized layer whose output rows are those of `layers` (Int8Linear, Int4Linear or Int8GroupLinear, one kind,
     one input size), in order. Each row keeps its own values and scales, so the outputs are unchanged.
-    None where packed int4 rows cannot be stacked: a part other than the last ends inside a tile."""
+    None where packed int4 rows cannot be stacked: a part other than the last ends inside a tile, or the
+    layout is unknown."""
     first = layers[0]
-    if isinstance(first, Int4Linear) and first.fast and any(layer.qweight.shape[0] % INT4_TILE for layer in layers[:-1]):
-        return None
+    if isinstance(first, Int4Linear) and first.fast:
+        lay = layout()
+        if lay is None or any(layer.qweight.shape[0] % lay.tile for layer in layers[:-1]):
+            return None
     fused = type(first).__new__(type(first))
     nn.Module.__init__(fused)
     vars(fused).update({k: v for k, v in vars(first).items() if not k.startswith("_")})  # plain settings (fast, ...)

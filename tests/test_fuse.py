@@ -23,7 +23,7 @@ from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections, unfuse_projections
 from decoderlm.model.norm import RMSNorm
 from decoderlm.model.rope import apply_rope_, inverse_frequencies, rope_cos_sin
-from decoderlm.quantize import INT4_TILE, Int4Linear, Int8GroupLinear, Int8Linear, concat, kernel, quantize
+from decoderlm.quantize import Int4Linear, Int8GroupLinear, Int8Linear, concat, kernel, layout, quantize
 
 TOL = 1e-5
 
@@ -91,7 +91,7 @@ def test_int8_layers_fuse_after_quantizing(folder):
     parts = [[a.q_proj, a.k_proj, a.v_proj] for a in (layer.self_attn for layer in unfused.layers)]
     parts += [[e.gate_proj, e.up_proj] for layer in unfused.layers for e in mlps(layer) if e.gated]
     # Per-row int8 stacks anywhere; group int8 (packed as int4) only where each part but the last fills whole tiles.
-    expected = sum(all(isinstance(m, Int8Linear) or m.qweight.shape[0] % INT4_TILE == 0 for m in p[:-1]) for p in parts)
+    expected = sum(all(isinstance(m, Int8Linear) or m.qweight.shape[0] % layout().tile == 0 for m in p[:-1]) for p in parts)
     fused = fuse_projections(unfused)
     assert len(fused_layers(fused)) == expected and all(isinstance(m, (Int8Linear, Int8GroupLinear)) for m in fused_layers(fused))
     ids = prompt_ids(14)
@@ -157,7 +157,7 @@ def test_int4_layers_stack_when_their_rows_fill_tiles():
 def test_int4_packed_rows_concatenate(tiles, last, groups, bias, seed):
     """pack(cat) == cat(pack): stacking layers quantized apart equals quantizing the stacked matrix."""
     torch.manual_seed(seed)
-    rows = [t * INT4_TILE for t in tiles] + [16 * last]
+    rows = [t * layout().tile for t in tiles] + [16 * last]
     parts = [nn.Linear(32 * groups, n, bias=bias) for n in rows]
     whole = nn.Linear(32 * groups, sum(rows), bias=bias)
     with torch.no_grad():
@@ -171,12 +171,12 @@ def test_int4_packed_rows_concatenate(tiles, last, groups, bias, seed):
 
 def test_int4_rows_inside_a_tile_stack_only_when_unpacked():
     """Packed rows (the CPU kernel's tiles) cannot be split inside a tile; one-per-byte rows always stack."""
-    parts = [Int4Linear.from_weight(nn.Linear(32, 32).weight), Int4Linear.from_weight(nn.Linear(32, 32).weight)]
+    parts = [Int4Linear.from_weight(nn.Linear(32, 16).weight), Int4Linear.from_weight(nn.Linear(32, 16).weight)]  # half a tile each
     stacked = concat(parts)
     if kernel("_weight_int4pack_mm_for_cpu", torch.device("cpu")):
         assert stacked is None
     else:
-        assert stacked is not None and stacked.qweight.shape[0] == 64
+        assert stacked is not None and stacked.qweight.shape[0] == 32
 
 
 def test_rms_norm_in_bf16_rounds_once():

@@ -115,12 +115,12 @@ def test_layer_from_gguf_blocks_computes_with_the_files_exact_weights(qtype, row
     assert torch.equal(blocks.dequantize(), exact)  # our unpacking reads the file's values bit for bit
     layer = q.quantized_linear(blocks, "int4")
     assert isinstance(layer, q.Int8GroupLinear if qtype == GGMLQuantizationType.Q8_0 else q.Int4Linear)
-    assert (rows >= layer.dense_rows) == (rows == 96)
+    assert (rows >= q.DENSE_TOKENS) == (rows == 96)
     x = torch.randn(rows, 128).bfloat16().float()  # (N, in), exact in bf16
     y, ref = layer(x), F.linear(x, exact)
     zero = 8 * blocks.d.abs().repeat_interleave(q.GROUP, 1) if blocks.m is None else (blocks.m + 8 * blocks.d).abs().repeat_interleave(q.GROUP, 1)
     bound = 2**-8 * (ref.abs() + x.abs() @ (exact.abs() + zero).T)
-    slack = 2 if use_kernel and rows < layer.dense_rows else 4
+    slack = 2 if use_kernel and rows < q.DENSE_TOKENS else 4
     assert ((y - ref).abs() <= slack * bound / 2 + 1e-7).all(), ((y - ref).abs() / bound).max()
 
 
@@ -137,22 +137,24 @@ def test_dense_weight_is_the_exact_weight_rounded_once(out, use_kernel):
     blocks = q.q8_blocks(torch.randn(out, 128) * torch.logspace(-3, 0, 4).repeat_interleave(q.GROUP))
     d = blocks.d.bfloat16().float().repeat_interleave(q.GROUP, 1)
     assert torch.equal(q.Int8GroupLinear(blocks).dense_t(), (blocks.q * d).T.bfloat16())
+    assert torch.equal(int4.dense_t(torch.float32), ((values - 8) * s + z).T)  # fp32: not rounded at all
+    assert torch.equal(q.Int8GroupLinear(blocks).dense_t(torch.float32), (blocks.q * d).T)
 
 
 @pytest.mark.parametrize("kind", ["int4", "q8"])
 def test_prefill_rows_run_dense_and_decode_rows_the_kernel(kind, monkeypatch):
-    """From dense_rows input rows on a layer multiplies by its dense weight, below that by the packed
+    """From DENSE_TOKENS input rows on a layer multiplies by its dense weight, below that by the packed
     kernel (decoding, the server's batched steps); both give the same outputs up to bf16: the dense
     weight's rounding (2^-9 · Σ_k |x_k w_k|) and each output's (2^-9 · |y| twice). Bound: twice that."""
     torch.manual_seed(6)
     w = torch.randn(192, 576) * 0.05
     layer = q.quantized_linear(w, kind)
     calls, dense_t = [], type(layer).dense_t
-    monkeypatch.setattr(type(layer), "dense_t", lambda self: calls.append(1) or dense_t(self))
-    x = torch.randn(layer.dense_rows, 576)
+    monkeypatch.setattr(type(layer), "dense_t", lambda self, dtype=q.COMPUTE: calls.append(1) or dense_t(self, dtype))
+    x = torch.randn(q.DENSE_TOKENS, 576)
     y = layer(x)
     assert len(calls) == 1
-    kernel = torch.cat([layer(row) for row in x.split(layer.dense_rows - 1)])
+    kernel = torch.cat([layer(row) for row in x.split(q.DENSE_TOKENS - 1)])
     assert len(calls) == 1
     assert ((y - kernel).abs() <= 2**-7 * (y.abs() + x.abs() @ w.abs().T)).all()
 
@@ -181,15 +183,16 @@ def test_int8_embedding_reads_q8_rows_exactly():
     assert ((from_float(ids) - w[ids]).abs() <= step / 2 * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("vocab", [192, 80])  # whole 64-row tiles (shared), a partial tile (own copy)
-def test_tied_embedding_reads_its_rows_from_the_head(vocab):
-    """Tied to a Q8 head, the embedding gives the same rows as alone and keeps no int8 copy of its own."""
+@pytest.mark.parametrize("vocab", [192, 80, 208])  # whole tiles of 64 (and 32), a partial tile, both
+def test_tied_embedding_reads_its_rows_from_the_head(vocab, use_kernel):
+    """Tied to a Q8 head, the embedding gives the same rows as alone and keeps no int8 copy of its own,
+    whatever tiles this CPU level packs the head's rows in."""
     torch.manual_seed(7)
     blocks = q.q8_blocks(torch.randn(vocab, 128))
     alone, tied = q.Int8Embedding(blocks, torch.float32), q.Int8Embedding(blocks, torch.float32, q.Int8GroupLinear(blocks))
     ids = torch.tensor([[0, 31, 32, 63], [64, 79, vocab - 2, vocab - 1]])
     assert torch.equal(tied(ids), alone(ids)) and torch.equal(alone(ids), blocks.dequantize()[ids])
-    assert (tied.qweight is None) == (vocab % q.INT4_TILE == 0)
+    assert tied.qweight is None
 
 
 def test_int4_keeps_int8_for_shapes_it_cannot_pack():
@@ -252,8 +255,7 @@ def test_quantized_smollm2_is_as_faithful_as_llama_cpp(smollm2_reference, mode, 
     paths = {}
     for path, rows in (("dense", None), ("kernel", 10**9)):
         if rows:
-            monkeypatch.setattr(q.Int4Linear, "dense_rows", rows)
-            monkeypatch.setattr(q.Int8GroupLinear, "dense_rows", rows)
+            monkeypatch.setattr(q, "DENSE_TOKENS", rows)
         with torch.no_grad():
             out = paths[path] = quant(seq[:, :-1]).logits[0]
         ppl_change = torch.exp(F.cross_entropy(out, targets) - F.cross_entropy(ref, targets)).item() - 1
@@ -275,3 +277,48 @@ def test_cli_generate_with_quantize(tmp_path, capsys):
                  "--temperature", "0", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("The quick")
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x", "--quantize", "int3"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["q8-blocks", "q4-blocks", "per-row"])
+@pytest.mark.parametrize("rows", [1, 5], ids=["decode", "batch"])
+def test_lm_head_logits_are_fp32_and_its_best_are_exact(kind, rows, use_kernel):
+    """The LM head's logits are fp32, not the kernel's bf16: each row's best candidates equal the fp32
+    product of the fp32 input and the layer's exact weight rows; the rest stay within bf16 of it."""
+    torch.manual_seed(8)
+    V, D = 208 if kind != "per-row" else 200, 96  # 200 rows do not fit the int4 layout: per-row int8
+    w = torch.randn(V, D) * torch.logspace(-2, 0, D // q.GROUP).repeat_interleave(q.GROUP)
+    blocks = {"q8-blocks": q.q8_blocks(w), "q4-blocks": gguf_blocks(w, GGMLQuantizationType.Q4_1)[0], "per-row": w}[kind]
+    head = q.quantized_linear(blocks, q.layer_mode("lm_head", "int4"))
+    assert head.exact and type(head) is {"q8-blocks": q.Int8GroupLinear, "q4-blocks": q.Int4Linear, "per-row": q.Int8Linear}[kind]
+    x = torch.randn(1, rows, D) * 3  # fp32, not bf16-exact
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (1, rows, V)
+    exact = x[0] @ head.weight_rows(torch.arange(V)).T  # (rows, V)
+    top = exact.topk(q.EXACT_TOP // 2).indices  # surely among the bf16 scores' best EXACT_TOP
+    torch.testing.assert_close(logits[0].gather(-1, top), exact.gather(-1, top), rtol=1e-6, atol=1e-5)
+    assert not torch.equal(logits[0], exact.bfloat16().float())  # not merely rounded exact values
+    assert ((logits[0] - exact).abs() <= 2**-7 * (exact.abs() + x[0].abs() @ head.weight_rows(torch.arange(V)).abs().T)).all()
+
+
+def test_weight_rows_read_every_tile_exactly(use_kernel):
+    """weight_rows(ids) reads any rows (whole tiles, the partial tile, any order) as the layer computes them."""
+    torch.manual_seed(9)
+    w = torch.randn(208, 64)
+    for layer in (q.Int4Linear.from_weight(w), q.Int8GroupLinear(q.q8_blocks(w))):
+        ids = torch.tensor([[207, 0, 63], [64, 95, 192]])
+        assert torch.equal(layer.weight_rows(ids), layer.dense_t(torch.float32).T[ids])
+
+
+def test_smollm2_capital_of_france_has_no_bf16_tie():
+    """The default mode on the real model, on the prompt whose first token is a near-tie in float32
+    ("The" -1.883 vs "L" -1.965): with bf16 logits both rounded to 25.375 on AVX2 and greedy said
+    "L'Étoile...". fp32 logits keep them apart and the answer is Paris, at every CPU level."""
+    model, tok = load(locate(DEFAULT_MODEL), quantize="auto")
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    assert logits.dtype == torch.float32
+    the, l_ = tok.encode("The")[0], tok.encode("L")[0]
+    assert logits[the] - logits[l_] > 0.05, (logits[the].item(), logits[l_].item())
+    reply = tok.decode(generate(model, ids, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=tok.eos_token_ids)))
+    assert reply == "The capital of France is Paris.", reply

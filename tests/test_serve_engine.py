@@ -147,6 +147,54 @@ def test_real_smollm2_batch_matches_generate():
     assert [tokens(list(s)) for s in streams] == expected
 
 
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 =", "List three colors:",
+         "Name a fruit that is red.", "Who wrote Hamlet?", "Say hello in Spanish.", "What is the boiling point of water?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_default():
+    """The embedded model in the default mode (int4 on its Q4_1 blocks), as `chat` and `serve` run it."""
+    import decoderlm
+
+    return decoderlm.load("smollm2-135m-instruct", quantize="auto")
+
+
+def test_default_mode_busy_batch_gives_each_chat_its_solo_tokens(smollm2_default):
+    """Greedy, in the default int4 mode: 8 chat prompts (34-38 tokens) served together, a long prompt
+    read in chunks beside them and a second request sharing its prefix, each get exactly the tokens
+    `generate` gives alone (the packed kernel's rows do not depend on their company; prefill chunks and
+    prefix hits keep each prompt token on the path it takes alone)."""
+    smol, tok = smollm2_default
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) for t in CHATS]
+    story = tok.encode(tok.apply_chat_template([{"role": "user", "content": SHAKESPEARE_LINES}]), add_special_tokens=False)
+    shared = story[:-3] + chats[0][-3:]  # a later request that finds most of the story in the prefix cache
+    assert all(34 <= len(p) <= 38 for p in chats) and len(story) >= 2 * 64
+    params = SamplingParams(temperature=0, max_new_tokens=32)
+    engine = Engine(smol, max_batch=10, block_size=16, prefill_chunk=96)
+    for batch in (chats + [story], [shared] + chats[:3]):
+        streams = [engine.add_request(p, params) for p in batch]
+        drain(engine)
+        assert [tokens(list(s)) for s in streams] == [generate(smol, p, params) for p in batch]
+    assert engine.stats()["prefix_cache_hits"] >= 64
+
+
+def test_default_mode_seeded_sampling_ignores_its_company(smollm2_default):
+    smol, tok = smollm2_default
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a joke."}]), add_special_tokens=False)
+    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=24)
+    engine = Engine(smol, max_batch=6)
+    others = [engine.add_request(tok.encode(t), SamplingParams(temperature=1.0, seed=i, max_new_tokens=10 + i)) for i, t in enumerate(CHATS[:5])]
+    stream = engine.add_request(prompt, mine)
+    drain(engine)
+    assert tokens(list(stream)) == generate(smol, prompt, mine) and all(o.finished for o in others)
+
+
+SHAKESPEARE_LINES = ("Summarise this: First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+                     "First Citizen: You are all resolved rather to die than to famish? All: Resolved. resolved. First Citizen: "
+                     "First, you know Caius Marcius is chief enemy to the people. All: We know't, we know't. First Citizen: "
+                     "Let us kill him, and we'll have corn at our own price. Is't a verdict?")
+
+
 # ---- blocks: allocation, sharing, preemption, freeing ----
 
 

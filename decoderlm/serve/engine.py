@@ -22,6 +22,7 @@ import torch
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
+from decoderlm.quantize import DENSE_TOKENS, Int4Linear
 from decoderlm.sampling import SamplingParams, sample_batch
 from decoderlm.serve.paged_cache import BlockPool, PagedCache
 from decoderlm.serve.scheduler import Scheduler, Sequence
@@ -136,7 +137,9 @@ class Engine:
             if num_blocks < 2:
                 raise DecoderLMError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens; give more memory")
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
-        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching)
+        # Packed quantized layers compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
+        two_paths = any(isinstance(m, Int4Linear) for m in model.modules())
+        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1)
         # A sequence may grow while its next token has a position and a slot to go to.
         self.max_len = min(cfg.max_seq_len, self.pool.capacity * block_size)
         self._cond = threading.Condition()
@@ -244,11 +247,13 @@ class Engine:
         if plan.decode:
             logits.append(self._forward([(seq, 1) for seq in plan.decode]))
             rows += plan.decode
-        if plan.prefill:
-            last = self._forward(plan.prefill)
-            done = [i for i, (seq, _) in enumerate(plan.prefill) if seq.pending == 0]
-            logits.append(last[done])
-            rows += [plan.prefill[i][0] for i in done]
+        # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
+        for group in ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]):
+            if group:
+                last = self._forward(group)
+                done = [i for i, (seq, _) in enumerate(group) if seq.pending == 0]
+                logits.append(last[done])
+                rows += [group[i][0] for i in done]
         if rows:
             self._emit(rows, torch.cat(logits))
         self._publish()

@@ -7,6 +7,13 @@ is decoded (one batched forward), and sequences still reading their prompt get t
 growing sequence finds the pool empty, the most recently admitted sequence is preempted: its blocks
 go back to the pool and it waits at the head of the queue, to be recomputed from its tokens later
 (its full blocks usually still sit in the prefix cache, so that is cheap).
+
+A quantized model computes a forward of `min_chunk` tokens per sequence or more on another path than
+shorter ones (decoderlm.quantize.DENSE_TOKENS), with other rounding. So that every prompt token takes
+the path `generate` gives it when it reads the whole prompt alone, a prompt of min_chunk tokens or
+more is read in chunks of at least min_chunk tokens, at least that many of it are computed even when
+the prefix cache holds more, and the prefix cache shares blocks only between prompts on the same side
+of min_chunk and only blocks of prompt tokens (generated ones were computed one at a time).
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool) -> None:
+    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1) -> None:
         self.pool, self.max_batch, self.prefill_chunk, self.prefix_caching = pool, max_batch, prefill_chunk, prefix_caching
+        self.min_chunk = min_chunk if min_chunk <= prefill_chunk else 1  # a chunk never exceeds prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
         self.preemptions = 0
@@ -78,8 +86,9 @@ class Scheduler:
         if not self.prefix_caching:
             return
         bs = self.pool.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
-            h = block_hash(seq.block_hashes[-1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
+        computed = min(seq.num_computed, seq.prompt_len) if self.min_chunk > 1 else seq.num_computed
+        for i in range(len(seq.block_hashes), computed // bs):
+            h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
             self.pool.register(seq.block_table[i], h)
 
@@ -123,10 +132,14 @@ class Scheduler:
         always left to compute, since its forward gives the logits for the next one."""
         if not self.prefix_caching:
             return []
-        bs, hashes = self.pool.block_size, []
-        for i in range((len(seq.token_ids) - 1) // bs):
-            hashes.append(block_hash(hashes[-1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        bs, hashes, n = self.pool.block_size, [], len(seq.token_ids)
+        for i in range((n - (self.min_chunk if n >= self.min_chunk else 1)) // bs):
+            hashes.append(block_hash(hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
+
+    def _root(self, seq: Sequence) -> bytes | None:
+        """What a sequence's first block name starts from: its side of min_chunk (None: no sides)."""
+        return None if self.min_chunk == 1 else b"long" if seq.prompt_len >= self.min_chunk else b"short"
 
     def _grow(self) -> list[Sequence]:
         """Give each running sequence a slot for its pending token, preempting the latest admitted
@@ -157,7 +170,17 @@ class Scheduler:
             share = self.prefill_chunk // (len(rows) + 1)
             if share < 1 or width > share:
                 break
-            n = min(seq.pending, share)
-            rows.append((seq, n))
-            width = max(width, n)
+            n = self._chunk(seq, share)
+            if n:
+                rows.append((seq, n))
+                width = max(width, n)
         return rows
+
+    def _chunk(self, seq: Sequence, share: int) -> int:
+        """The tokens of seq to read now, at most share: a long prompt's chunks, the rest of it
+        included, are never shorter than min_chunk (0: wait for a wider share)."""
+        n = min(seq.pending, share)
+        if seq.prompt_len < self.min_chunk or n == seq.pending:
+            return n
+        n = min(n, seq.pending - self.min_chunk)
+        return n if n >= self.min_chunk else 0
