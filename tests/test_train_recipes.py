@@ -17,6 +17,7 @@ import decoderlm.cli
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
+from decoderlm.model.transformer import lm_loss
 from decoderlm.train import TrainConfig, checkpoint, train, trainer
 from decoderlm.train.data import read_windows, window_starts
 from decoderlm.train.distributed import World
@@ -151,6 +152,29 @@ def test_compile_trains_like_eager(corpus, tmp_path):
     run(corpus, tmp_path / "compiled", max_steps=3, compile=True)
     for a, b in zip(rows(tmp_path / "eager"), rows(tmp_path / "compiled"), strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4
+
+
+def test_init_from_the_embedded_gguf_starts_from_its_weights(corpus, tmp_path, monkeypatch):
+    """Short version of the slow test below: one step at a vanishing lr from the GGUF (dequantized). The step's loss
+    is the GGUF model's own on that batch, a pretrained model's (a random one's is ln 49152 ≈ 10.8), and the
+    weights stay the GGUF's. No checkpoint is written (1.6 GB with AdamW's moments; the slow test loads one)."""
+    gguf_model, _ = decoderlm.load("smollm2-135m-instruct")
+    drawn, real_batches = [], LMObjective.batches
+
+    def batches(self):
+        drawn.append(real_batches(self))
+        return drawn[-1]
+
+    monkeypatch.setattr(LMObjective, "batches", batches)
+    monkeypatch.setattr(checkpoint, "save", lambda *args: None)
+    result = run(corpus, tmp_path / "run", init_from="smollm2-135m-instruct", max_steps=1, batch_size=1, context=8, lr=1e-9,
+                 min_lr=0, warmup=0)
+    (x, y), = drawn[0]
+    with torch.no_grad():
+        want = lm_loss(gguf_model(x).logits, y).item()
+    assert abs(json.loads((tmp_path / "run" / "log.json").read_text())[0]["train_loss"] - want) < 1e-4 and want < 6
+    a, b = result["model"].state_dict(), gguf_model.state_dict()
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
 @pytest.mark.slow
