@@ -148,6 +148,7 @@ def test_init_from_an_hf_folder_trains_with_its_bpe_tokenizer_and_the_run_conver
 
 @pytest.mark.slow
 def test_compile_trains_like_eager(corpus, tmp_path):
+    """With inductor's kernels; test_train_speed.py's test_a_compiled_run_trains_like_the_eager_fp32_run is the short version."""
     run(corpus, tmp_path / "eager", max_steps=3)
     run(corpus, tmp_path / "compiled", max_steps=3, compile=True)
     for a, b in zip(rows(tmp_path / "eager"), rows(tmp_path / "compiled"), strict=True):
