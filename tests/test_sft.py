@@ -239,6 +239,7 @@ def test_sft_teaches_a_tiny_model_two_invented_facts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # its LoRA run alone took 450 s on 2 cores (benchmarks/results/sft_facts.json)
 def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
     """benchmarks/sft_facts.py: LoRA SFT on invented facts; held-out paraphrases go from ~0 to >= 80 %."""
     import importlib.util
