@@ -124,6 +124,19 @@ def test_config_without_hf_equivalent_is_refused():
         config_to_hf(ModelConfig.from_preset("llama-tiny", family="custom"))
 
 
+def test_the_embedded_gguf_converted_gives_transformers_our_logits_and_greedy_tokens(tmp_path, cli):
+    """Short version of the slow test below: the packaged GGUF dequantized into an fp32 HF folder; transformers'
+    logits on a few tokens are ours from the GGUF itself, and so are its first greedy tokens."""
+    assert cli(["convert", "smollm2-135m-instruct", str(tmp_path / "hf")]) == 0
+    ours, tok = load("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = tok.encode("The capital of France is")
+    with torch.no_grad():
+        assert (hf(torch.tensor([ids])).logits - ours(torch.tensor([ids])).logits).abs().max().item() < TOL
+        want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=4)[0, len(ids):].tolist()
+    assert generate(ours, ids, SamplingParams(temperature=0.0, max_new_tokens=4)) == want
+
+
 @pytest.mark.slow
 def test_gguf_converts_for_transformers(tmp_path, cli):
     """The packaged SmolLM2 GGUF (4-bit, dequantized) → HF folder → transformers computes what we compute."""

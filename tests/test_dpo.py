@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from decoderlm.finetune import FinetuneConfig, finetune, resume
+from decoderlm.finetune import FinetuneConfig, finetune, resume, run
 from decoderlm.finetune.dpo import dpo_loss, encode_pair, pair_batch, sequence_logprobs
 from decoderlm.model.transformer import IGNORE_INDEX
 from finetune_helpers import chat_tokenizer, make_chat_model, write_jsonl
@@ -46,11 +46,38 @@ def test_sequence_logprobs_sum_the_reply_tokens():
     torch.testing.assert_close(got, torch.stack(expected), atol=1e-4, rtol=1e-5)
 
 
+SUBJECTS = ["fox", "dog", "cache", "token", "question", "transformer", "value", "key", "cafe", "word", "brown", "lazy",
+            "river", "lamp", "garden", "engine", "window", "pencil", "cloud", "bridge", "apple", "harbor", "violin", "mountain"]
+
+
 def preference_pairs(n: int) -> list[dict]:
-    """Chosen replies are polite and end with a period; rejected ones shout. Held-out pairs use other subjects."""
-    subjects = ["fox", "dog", "cache", "token", "question", "transformer", "value", "key", "cafe", "word", "brown", "lazy"]
+    """Chosen replies are polite and end with a period; rejected ones shout. Each pair has its own subject, so
+    held-out pairs are about subjects no trained pair mentions."""
     return [{"prompt": f"Tell me about the {s}.", "chosen": f"The {s} is quick and brown.", "rejected": f"NO! {s.upper()}!!!"}
-            for s in (subjects * 3)[:n]]
+            for s in SUBJECTS[:n]]
+
+
+def test_held_out_pairs_share_no_prompt_with_the_training_pairs(tmp_path, monkeypatch):
+    """Two pairs per prompt: the eval split takes whole prompts, so the held-out margin is measured on
+    prompts training never saw, and every pair is on exactly one side."""
+    base = tmp_path / "base"
+    base.mkdir()
+    make_chat_model(base)
+    pairs = preference_pairs(12)
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs + [p | {"chosen": f"Gladly: {p['chosen']}"} for p in pairs])
+    seen: dict[str, list] = {}
+
+    class Recorded(run.DPOObjective):
+        def __init__(self, train, held_out, *args, **kwargs):
+            seen.update(train=train, held_out=held_out)
+            super().__init__(train, held_out, *args, **kwargs)
+
+    monkeypatch.setattr(run, "DPOObjective", Recorded)
+    finetune(FinetuneConfig(model=str(base), data=str(data), out=str(tmp_path / "run"), method="dpo", max_steps=1, batch_size=2,
+                            eval_fraction=0.25, lora_rank=2))
+    train, held_out = ({p.prompt for p in seen[side]} for side in ("train", "held_out"))
+    assert len(seen["held_out"]) == 6 and len(held_out) == 3 and not train & held_out
+    assert len(seen["train"]) + len(seen["held_out"]) == 24 and train | held_out == {p["prompt"] for p in pairs}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

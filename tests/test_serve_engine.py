@@ -19,7 +19,6 @@ from decoderlm.sampling import SamplingParams, sample, sample_batch
 from decoderlm.serve import Engine, TokenOutput
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
-pytestmark = pytest.mark.timeout(600)  # a stuck engine thread fails the test instead of hanging the suite
 
 
 @pytest.fixture(scope="module")

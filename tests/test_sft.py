@@ -19,7 +19,9 @@ from decoderlm.finetune.data import check_chat, read_jsonl
 from decoderlm.finetune.objectives import EpochRows, SFTObjective
 from decoderlm.finetune.sft import batch_logits, collate, encode_chat, pack, sft_loss
 from decoderlm.formats.gguf import FastReader, Metadata, gguf_tokenizer
+from decoderlm.generate import generate
 from decoderlm.model.transformer import IGNORE_INDEX
+from decoderlm.sampling import SamplingParams
 from finetune_helpers import TEMPLATES, chat_tokenizer, make_chat_model, write_jsonl
 
 CONVERSATION = [
@@ -211,7 +213,33 @@ def test_sft_cli_run_folder_is_a_model(tmp_path, cli, capsys, lora):
     assert cli(["generate", "--model", str(out), "--prompt", "Say", "--max-new-tokens", "3", "--temperature", "0"]) == 0
 
 
+INVENTED = {"What is the capital of Veltoria?": "Quenmar.", "Who invented the glimmerphone?": "Odessa Brantwell."}
+
+
+def ask(model, tokenizer, question: str) -> str:
+    """The greedy reply to `question` as a user turn."""
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=tokenizer.eos_token_ids)
+    return tokenizer.decode(generate(model, prompt, params)).strip()
+
+
+def test_sft_teaches_a_tiny_model_two_invented_facts(tmp_path):
+    """Short version of the slow test below: 16 steps of SFT make a tiny random chat model, loaded from its run
+    folder, answer each question with its own fact, which it did not say before."""
+    base = tmp_path / "base"
+    base.mkdir()
+    make_chat_model(base)
+    data = write_jsonl(tmp_path / "facts.jsonl", [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                                                  for q, a in INVENTED.items()])
+    before = {q: ask(*decoderlm.load(base), q) for q in INVENTED}
+    finetune(FinetuneConfig(model=str(base), data=str(data), out=str(tmp_path / "run"), epochs=16, batch_size=2, lr=5e-3,
+                            eval_fraction=0, log_interval=16, eval_interval=16))
+    after = {q: ask(*decoderlm.load(tmp_path / "run"), q) for q in INVENTED}
+    assert after == INVENTED and not any(a in before[q] for q, a in INVENTED.items())
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # its LoRA run alone took 450 s on 2 cores (benchmarks/results/sft_facts.json)
 def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
     """benchmarks/sft_facts.py: LoRA SFT on invented facts; held-out paraphrases go from ~0 to >= 80 %."""
     import importlib.util

@@ -247,6 +247,21 @@ def test_cli_bad_speculative_flags_are_one_line(hf_folder, tmp_path, capsys, fla
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+def test_embedded_model_greedy_output_is_unchanged_by_a_few_speculative_tokens():
+    """Short version of the slow test below: 8 tokens on SmolLM2-135M, prompt lookup and the model itself as the
+    draft (every guess accepted, so the target verifies 4 tokens at once), give plain greedy decoding's reply."""
+    from decoderlm.loader import load
+
+    target, tok = load("smollm2-135m-instruct")
+    text = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=8, **GREEDY)
+    want = generate(target, ids, params)
+    for proposer in (PromptLookup(2), DraftModel(target)):
+        got, stats = speculative_generate(target, ids, params, proposer, 4)
+        assert got == want and stats.accepted > 0
+
+
 @pytest.mark.slow
 def test_embedded_model_greedy_output_is_unchanged_by_speculation():
     """On SmolLM2-135M: prompt lookup and an int4 copy as the draft give plain greedy decoding's reply."""

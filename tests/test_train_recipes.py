@@ -17,7 +17,8 @@ import decoderlm.cli
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import Transformer
-from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.model.transformer import lm_loss
+from decoderlm.train import TrainConfig, checkpoint, train, trainer
 from decoderlm.train.data import read_windows, window_starts
 from decoderlm.train.distributed import World
 from decoderlm.train.objective import LMObjective
@@ -42,13 +43,28 @@ def test_seed_char_llama_has_seed_chars_parameter_count_within_5_percent():
     assert abs(n_llama - n_gpt) / n_gpt <= 0.05
 
 
-def test_accumulating_two_micro_batches_equals_one_batch_twice_as_large(corpus, tmp_path):
-    one = run(corpus, tmp_path / "one", preset="llama-tiny", set=TINY, batch_size=4)
-    two = run(corpus, tmp_path / "two", preset="llama-tiny", set=TINY, batch_size=2, grad_accum=2)
+def test_accumulating_two_micro_batches_equals_one_batch_twice_as_large(corpus, tmp_path, monkeypatch):
+    """The gradient each step applies, under plain SGD, is the same for batch 4 as for 2 micro-batches of 2: the
+    micro-batches' gradients are averaged, not summed. (AdamW's update barely changes when the gradient is
+    scaled, so comparing AdamW runs would not see a missing 1/grad_accum.)"""
+    grads: dict[str, list[list[torch.Tensor]]] = {}
+
+    class Recorded(torch.optim.SGD):
+        def step(self, closure=None):
+            grads[run_name].append([p.grad.clone() for p in self.param_groups[0]["params"]])
+            return super().step(closure)
+
+    monkeypatch.setattr(trainer, "make_optimizer", lambda model, cfg, device: Recorded(model.parameters(), lr=cfg.lr))
+    sgd = dict(preset="llama-tiny", set=TINY, max_steps=3, eval_interval=3, lr=0.5, min_lr=0.5, warmup=0, grad_clip=0)
+    for run_name, batches in (("one", dict(batch_size=4)), ("two", dict(batch_size=2, grad_accum=2))):
+        grads[run_name] = []
+        run(corpus, tmp_path / run_name, **sgd, **batches)
+    for one, two in zip(grads["one"], grads["two"], strict=True):  # per step: every parameter's gradient
+        for a, b in zip(one, two, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+    assert len(grads["one"]) == 3 and min(g.abs().max().item() for g in grads["one"][-1]) > 1e-4  # real gradients
     for a, b in zip(rows(tmp_path / "one"), rows(tmp_path / "two"), strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-5 and a["tokens_seen"] == b["tokens_seen"]
-    sa, sb = one["model"].state_dict(), two["model"].state_dict()
-    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-5
 
 
 def test_weight_decay_skips_norms_biases_and_embeddings():
@@ -132,10 +148,34 @@ def test_init_from_an_hf_folder_trains_with_its_bpe_tokenizer_and_the_run_conver
 
 @pytest.mark.slow
 def test_compile_trains_like_eager(corpus, tmp_path):
+    """With inductor's kernels; test_train_speed.py's test_a_compiled_run_trains_like_the_eager_fp32_run is the short version."""
     run(corpus, tmp_path / "eager", max_steps=3)
     run(corpus, tmp_path / "compiled", max_steps=3, compile=True)
     for a, b in zip(rows(tmp_path / "eager"), rows(tmp_path / "compiled"), strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4
+
+
+def test_init_from_the_embedded_gguf_starts_from_its_weights(corpus, tmp_path, monkeypatch):
+    """Short version of the slow test below: one step at a vanishing lr from the GGUF (dequantized). The step's loss
+    is the GGUF model's own on that batch, a pretrained model's (a random one's is ln 49152 ≈ 10.8), and the
+    weights stay the GGUF's. No checkpoint is written (1.6 GB with AdamW's moments; the slow test loads one)."""
+    gguf_model, _ = decoderlm.load("smollm2-135m-instruct")
+    drawn, real_batches = [], LMObjective.batches
+
+    def batches(self):
+        drawn.append(real_batches(self))
+        return drawn[-1]
+
+    monkeypatch.setattr(LMObjective, "batches", batches)
+    monkeypatch.setattr(checkpoint, "save", lambda *args: None)
+    result = run(corpus, tmp_path / "run", init_from="smollm2-135m-instruct", max_steps=1, batch_size=1, context=8, lr=1e-9,
+                 min_lr=0, warmup=0)
+    (x, y), = drawn[0]
+    with torch.no_grad():
+        want = lm_loss(gguf_model(x).logits, y).item()
+    assert abs(json.loads((tmp_path / "run" / "log.json").read_text())[0]["train_loss"] - want) < 1e-4 and want < 6
+    a, b = result["model"].state_dict(), gguf_model.state_dict()
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
 @pytest.mark.slow

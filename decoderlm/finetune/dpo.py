@@ -22,12 +22,15 @@ from decoderlm.model.transformer import IGNORE_INDEX, Transformer
 class Pair:
     chosen: Example
     rejected: Example
+    prompt: str  # what the held-out split keeps apart: no held-out pair shares its prompt with a trained one
 
 
 def encode_pair(tokenizer, record: dict, max_length: int | None = None) -> Pair:
     """Prompt as a user turn, each reply as the assistant's: labels mark the reply tokens to score."""
     user = {"role": "user", "content": record["prompt"]}
-    return Pair(*(encode_chat(tokenizer, [user, {"role": "assistant", "content": record[k]}], max_length) for k in ("chosen", "rejected")))
+    chosen, rejected = (encode_chat(tokenizer, [user, {"role": "assistant", "content": record[k]}], max_length)
+                        for k in ("chosen", "rejected"))
+    return Pair(chosen, rejected, record["prompt"])
 
 
 def pair_batch(pairs: list[Pair], pad_id: int = 0) -> Batch:

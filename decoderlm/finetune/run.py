@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,11 +140,19 @@ def loop_config(cfg: FinetuneConfig, decay_steps: int) -> TrainConfig:
     return validate(TrainConfig(**defaults | chosen))
 
 
-def split(items: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, eval): a seeded shuffle, then the eval share (at least one item when fraction > 0)."""
-    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = max(1, round(len(items) * fraction)) if fraction > 0 and len(items) > 1 else 0
-    return [items[i] for i in order[n_eval:]], [items[i] for i in order[:n_eval]]
+def split(items: list, fraction: float, seed: int, key: Callable[[Any], Hashable] | None = None) -> tuple[list, list]:
+    """(train, eval): a seeded shuffle, then the eval share (at least one item when fraction > 0). Items with
+    the same `key` (DPO: one prompt's pairs) fall on one side, so no held-out item repeats a trained one's key."""
+    groups: dict[Hashable, list] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(i if key is None else key(item), []).append(item)
+    grouped = list(groups.values())
+    order = torch.randperm(len(grouped), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, round(len(items) * fraction)) if fraction > 0 and len(grouped) > 1 else 0
+    train, held_out = [], []
+    for i in order:
+        (held_out if len(held_out) < n_eval else train).extend(grouped[i])
+    return train, held_out
 
 
 def base_name(source: str) -> str:
@@ -184,7 +193,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     if len(usable) < len(items):
         print(f"warning: {len(items) - len(usable)} record(s) have no reply tokens within --max-length {cfg.max_length}; "
               "they are left out", file=sys.stderr)
-    train_items, eval_items = split(usable, cfg.eval_fraction, cfg.seed)
+    train_items, eval_items = split(usable, cfg.eval_fraction, cfg.seed, None if cfg.method == "sft" else lambda pair: pair.prompt)
     if not train_items:
         raise DecoderLMError(f"{cfg.data}: no records left to train on; give more data or a smaller --eval-fraction")
     n_rows = len(pack([len(ex.ids) for ex in train_items], cfg.max_length)) if cfg.method == "sft" and cfg.packing else len(train_items)
