@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 import decoderlm.cli as cli
 from decoderlm import names
 from decoderlm.cli import chat
+from decoderlm.cli.common import MAX_NEW_TOKENS
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.loader import load
@@ -65,6 +67,23 @@ def test_chat_message_prints_the_greedy_reply(capsys, smollm2):
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
     expected = tok.decode(generate(model, ids, SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=tok.eos_token_ids)))
     assert out == expected + "\n" and "Paris" in out and "<|im_end|>" not in out
+
+
+def test_make_demo_answers_paris_and_stops(capsys):
+    """`make demo` as it runs (every default: the embedded model, --quantize auto, the default token
+    budget): the reply is the answer, ended by the model's end of turn, at whatever CPU level runs it."""
+    assert cli.main(["chat", "--message", "What is the capital of France?", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+def test_chat_and_generate_share_one_token_budget_shown_in_help(capsys):
+    budgets = []
+    for command in ("chat", "generate"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        budgets.append(re.search(r"--max-new-tokens MAX_NEW_TOKENS [^(]*\(default: (\d+)\)", text).group(1))
+    assert budgets == [str(MAX_NEW_TOKENS)] * 2
 
 
 def test_generate_defaults_to_the_embedded_model(capsys, smollm2):

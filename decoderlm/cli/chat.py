@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system prompt (default: the template's own, if any)")
     p.add_argument("--message", default=None, help="send this one message, print the reply and exit")
     add_model_flags(p, compile=True, quantize="auto")
-    add_sampling_flags(p, max_new_tokens=512)
+    add_sampling_flags(p)
     add_speculative_flags(p)
     p.set_defaults(func=cmd_chat)
 

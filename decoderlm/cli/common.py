@@ -55,9 +55,13 @@ SAMPLING_EPILOG = ("Sampling defaults: the checkpoint's generation_config (GGUF:
                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_SAMPLING.items()) + "; flags override them.")
 
 
-def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int = 200) -> None:
+MAX_NEW_TOKENS = 256  # chat and generate alike: a full answer, not a page of rambling
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help="the most tokens to generate (default: %(default)s); a reply ends earlier at the model's end-of-turn or EOS token")
     g.add_argument("--temperature", type=float, default=None,
                    help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
