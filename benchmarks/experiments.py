@@ -66,8 +66,8 @@ def train(name: str, work: Path, data: str, steps: int, threads: int, quick: boo
     }
 
 
-def bits_per_char(run: dict[str, Any], data_dir: Path) -> float:
-    """Val loss (nats per BPE token) as bits per character: × val tokens / val characters / ln 2."""
+def chars_per_token(data_dir: Path) -> float:
+    """Characters per token of the prepared val split (its tokens decoded back to text)."""
     sys.path.insert(0, str(ROOT))
     from decoderlm.train.data import open_data_dir
     from decoderlm.train.prepare import load_tokenizer
@@ -76,7 +76,7 @@ def bits_per_char(run: dict[str, Any], data_dir: Path) -> float:
     tokenizer = load_tokenizer(data_dir)
     tokens = sum(len(shard) for shard in val)
     chars = sum(len(tokenizer.decode([int(t) for t in shard])) for shard in val)
-    return run["val_loss"] * tokens / chars / math.log(2)
+    return chars / tokens
 
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -138,7 +138,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "decoderlm", "prepare", "--data", data, "--out", str(bpe_dir), "--tokenizer", "bpe:2048"],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
         bpe = run("seed-char-llama bpe:2048", "--preset", "seed-char-llama", data_path=str(bpe_dir))
-        bpe["val_bits_per_char"] = round(bits_per_char(bpe, bpe_dir), 4)
+        per_token = chars_per_token(bpe_dir)  # nats per token → bits per character
+        bpe["val_chars_per_token"], bpe["val_bits_per_char"] = round(per_token, 4), round(bpe["val_loss"] / per_token / math.log(2), 4)
         runs.append(bpe)
         save(runs, steps, args, results_dir)  # kept even if the changes below are cut short
         if not args.skip_changes:
