@@ -199,20 +199,20 @@ def serving(servers: dict[str, Callable[..., subprocess.Popen]], args: argparse.
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| server | streams | tok/s median (min–max) | × 1 stream | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, levels in results.items():
-        for r in levels:
-            ms = {k: round(1e3 * r[k]) for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
-            lines.append(f"| {name} | {r['streams']} | {r['tok_s']:.1f} ({r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}) | {r['ratio_to_1']:.2f} "
-                         f"| {ms['ttft_p50']} / {ms['ttft_p95']} | {ms['itl_p50']} / {ms['itl_p95']} |")
-    ours = [name for name in results if name != "llama-server"]
-    if "llama-server" in results and ours:
-        lines += ["", "| streams | " + " | ".join(f"{name} / llama-server (each repeat)" for name in ours) + " |", "|---:|" + "---:|" * len(ours)]
-        for i, ref in enumerate(results["llama-server"]):
-            cells = [f"{results[n][i]['vs_llama_server']:.2f} ({', '.join(f'{x:.2f}' for x in results[n][i]['vs_llama_server_repeats'])})"
-                     for n in ours]
-            lines.append(f"| {ref['streams']} | " + " | ".join(cells) + " |")
+    """README's two tables: throughput per level, median (min–max) and × 1 stream, with decoderlm / llama-server
+    (ratio of the medians, then each repeat's); then p50 / p95 latencies in ms (medians over the repeats)."""
+    names, ours = list(results), [name for name in results if name != "llama-server"]
+    versus = ours if "llama-server" in results else []
+    lines = ["| streams | " + " | ".join(f"{name} tok/s median (min–max), × 1 stream" for name in names)
+             + "".join(f" | {name} / llama-server (each repeat)" for name in versus) + " |", "|---:|" + "---:|" * (len(names) + len(versus))]
+    for i, level in enumerate(results[names[0]]):
+        cells = [f"{r['tok_s']:.1f} ({r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}), {r['ratio_to_1']:.2f}×" for r in (results[n][i] for n in names)]
+        cells += [f"{r['vs_llama_server']:.2f} ({', '.join(f'{x:.2f}' for x in r['vs_llama_server_repeats'])})" for r in (results[n][i] for n in versus)]
+        lines.append(f"| {level['streams']} | " + " | ".join(cells) + " |")
+    lines += ["", "| streams | " + " | ".join(f"{name} TTFT | {name} ITL" for name in names) + " |", "|---:|" + "---:|---:|" * len(names)]
+    for i, level in enumerate(results[names[0]]):
+        ms = [f"{round(1e3 * r[f'{k}_p50'])} / {round(1e3 * r[f'{k}_p95'])}" for r in (results[n][i] for n in names) for k in ("ttft", "itl")]
+        lines.append(f"| {level['streams']} | " + " | ".join(ms) + " |")
     return "\n".join(lines)
 
 

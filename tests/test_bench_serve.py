@@ -40,7 +40,8 @@ def test_servers_take_turns_within_each_level_and_every_repeat_is_reported(tmp_p
             assert level["itl_p50"] == statistics.median(r["itl_p50"] for r in level["repeats"])
             assert level["tokens"] == 4 * level["streams"]
         assert levels[0]["ratio_to_1"] == 1.0
-    assert "tok/s median (min–max)" in proc.stdout
+    assert "| decoderlm auto tok/s median (min–max), × 1 stream | decoderlm none tok/s median (min–max), × 1 stream |" in proc.stdout
+    assert "| decoderlm auto TTFT | decoderlm auto ITL | decoderlm none TTFT | decoderlm none ITL |" in proc.stdout
 
 
 def test_ratios_to_llama_server_are_given_per_repeat_beside_the_ratio_of_medians() -> None:
@@ -53,4 +54,4 @@ def test_ratios_to_llama_server_are_given_per_repeat_beside_the_ratio_of_medians
     ours = results["decoderlm auto"][0]
     assert ours["vs_llama_server"] == 1.2 and ours["vs_llama_server_repeats"] == [1.0, 1.5, 1.5]
     assert "vs_llama_server" not in results["llama-server"][0]
-    assert "| 4 | 1.20 (1.00, 1.50, 1.50) |" in serve_throughput.table(results)
+    assert "| 4 | 120.0 (100.0–150.0), 1.00× | 100.0 (80.0–100.0), 1.00× | 1.20 (1.00, 1.50, 1.50) |" in serve_throughput.table(results)
