@@ -9,8 +9,9 @@
    bits per character so it compares with the char models.
 4. Changes to seed-char-llama within the same budget (steps, tokens, parameters ± 5 %), one at a time.
 5. seed-char with and without scheduled sampling: val loss and the exposure-bias gap (benchmarks/exposure_bias.py).
-6. Improvements: each change of `IMPROVEMENTS` against the same baseline, over two seeds, and the
-   combination that won (the seed-char-plus preset); the table goes under "improvements" in the JSON,
+6. Improvements: each change of `IMPROVEMENTS` against the same baseline, over the seeds listed with
+   it (1337 and 1338 for the baseline, qk_norm and the combination that won, the seed-char-plus
+   preset; 1337 for the rest), one run after another; the table goes under "improvements" in the JSON,
    the val curves into docs/experiments_improvements.png (`--only-improvements` runs this part alone).
 
 Writes benchmarks/results/experiments.json and docs/experiments_*.png (or both into --out), prints a table.
@@ -34,6 +35,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
+SEED = 1337  # the seed of experiments 1-4 (the training commands' default, passed explicitly)
 
 
 def train(name: str, work: Path, data: str, steps: int, threads: int, quick: bool, *args: str) -> dict[str, Any]:
@@ -64,8 +66,8 @@ def train(name: str, work: Path, data: str, steps: int, threads: int, quick: boo
     }
 
 
-def bits_per_char(run: dict[str, Any], data_dir: Path) -> float:
-    """Val loss (nats per BPE token) as bits per character: × val tokens / val characters / ln 2."""
+def chars_per_token(data_dir: Path) -> float:
+    """Characters per token of the prepared val split (its tokens decoded back to text)."""
     sys.path.insert(0, str(ROOT))
     from decoderlm.train.data import open_data_dir
     from decoderlm.train.prepare import load_tokenizer
@@ -74,7 +76,7 @@ def bits_per_char(run: dict[str, Any], data_dir: Path) -> float:
     tokenizer = load_tokenizer(data_dir)
     tokens = sum(len(shard) for shard in val)
     chars = sum(len(tokenizer.decode([int(t) for t in shard])) for shard in val)
-    return run["val_loss"] * tokens / chars / math.log(2)
+    return chars / tokens
 
 
 def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -104,8 +106,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (1 is steadiest on a shared machine)")
     p.add_argument("--quick", action="store_true", help="a few steps and one val batch per run: checks the script, not the models")
     p.add_argument("--out", help="folder for the JSON and PNGs (default: benchmarks/results/ and docs/)")
-    p.add_argument("--skip-changes", action="store_true", help="skip experiments 4 and 5 (changes to seed-char-llama)")
-    p.add_argument("--only-improvements", action="store_true", help="run experiment 5 alone, adding it to an existing JSON")
+    p.add_argument("--skip-changes", action="store_true", help="skip experiments 4 and 6 (changes to seed-char-llama)")
+    p.add_argument("--only-improvements", action="store_true", help="run experiment 6 alone, adding it to an existing JSON")
     args = p.parse_args()
     if args.only_improvements:
         return main_improvements(args)
@@ -119,7 +121,7 @@ def main() -> None:
         work = Path(tmp)
 
         def run(name: str, *extra: str, data_path: str = data, n_steps: int = steps) -> dict[str, Any]:
-            r = train(name, work, data_path, n_steps, args.threads, args.quick, *extra)
+            r = train(name, work, data_path, n_steps, args.threads, args.quick, *extra, "--seed", str(SEED))
             print(f"{name:<24} {r['parameters']:>9,} params  {r['tokens']:>9,} tokens  train {r['train_loss']:.3f}  "
                   f"val {r['val_loss']:.3f}  {r['wall_seconds']:>6.0f} s", flush=True)
             return r
@@ -136,7 +138,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "decoderlm", "prepare", "--data", data, "--out", str(bpe_dir), "--tokenizer", "bpe:2048"],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
         bpe = run("seed-char-llama bpe:2048", "--preset", "seed-char-llama", data_path=str(bpe_dir))
-        bpe["val_bits_per_char"] = round(bits_per_char(bpe, bpe_dir), 4)
+        per_token = chars_per_token(bpe_dir)  # nats per token → bits per character
+        bpe["val_chars_per_token"], bpe["val_bits_per_char"] = round(per_token, 4), round(bpe["val_loss"] / per_token / math.log(2), 4)
         runs.append(bpe)
         save(runs, steps, args, results_dir)  # kept even if the changes below are cut short
         if not args.skip_changes:
@@ -159,7 +162,8 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
         r.setdefault("val_bits_per_char", round(r["val_loss"] / math.log(2), 4))  # char models: one token is one character
     llama = next(r for r in runs if r["name"] == "seed-char-llama")
     result = {
-        "steps": steps, "mask_steps": 4 if args.quick else args.mask_steps, "threads": args.threads, "quick": args.quick, "data": args.data,
+        "steps": steps, "mask_steps": 4 if args.quick else args.mask_steps, "seed": SEED, "threads": args.threads, "quick": args.quick,
+        "data": args.data,
         "llama_target_val_loss": LLAMA_TARGET, "llama_meets_target": llama["val_loss"] <= LLAMA_TARGET,
         "runs": runs,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -167,52 +171,49 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
     (results_dir / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
-# --- 5. Improvements: each change against the same baseline, two seeds each ---------------------------------
+# --- 6. Improvements: each change against the same baseline, with its seeds ---------------------------------
 
 LLAMA = ("--preset", "seed-char-llama")
-IMPROVEMENTS: list[tuple[str, tuple[str, ...]]] = [  # (change, train arguments); the first is the baseline
-    ("seed-char-llama (baseline)", LLAMA),
-    ("+ qk_norm", (*LLAMA, "--set", "qk_norm=true")),
-    ("+ AdamW lr 2e-3", (*LLAMA, "--lr", "2e-3", "--min-lr", "2e-4")),
-    ("+ Muon lr 0.02", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.02")),
-    ("+ Muon lr 0.04", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.04")),
-    ("seed-char-plus (qk_norm + Muon 0.02)", ("--preset", "seed-char-plus")),
+TWO, ONE = (1337, 1338), (1337,)
+IMPROVEMENTS: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = [  # (change, train arguments, seeds); the first is the baseline
+    ("seed-char-llama (baseline)", LLAMA, TWO),
+    ("+ qk_norm", (*LLAMA, "--set", "qk_norm=true"), TWO),
+    ("+ AdamW lr 2e-3", (*LLAMA, "--lr", "2e-3", "--min-lr", "2e-4"), ONE),
+    ("+ Muon lr 0.02", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.02"), ONE),
+    ("+ Muon lr 0.04", (*LLAMA, "--optimizer", "muon", "--muon-lr", "0.04"), ONE),
+    ("seed-char-plus (qk_norm + Muon 0.02)", ("--preset", "seed-char-plus"), TWO),
     # Muon's Newton-Schulz steps cost time on a CPU thread: fewer steps in the baseline's wall-clock time.
-    ("seed-char-plus, 1500 steps", ("--preset", "seed-char-plus", "--max-steps", "1500")),
+    ("seed-char-plus, 1500 steps", ("--preset", "seed-char-plus", "--max-steps", "1500"), ONE),
 ]
-SEEDS = (1337, 1338)
 PLUS_TARGET = 1.60  # issue 11: how far the same budget should go
 
 
-def run_improvements(run: Callable[..., dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
-    """Every change of IMPROVEMENTS once per seed, each a full run named 'CHANGE sSEED'."""
-    return [run(f"{change} s{seed}", *args, "--seed", str(seed)) for change, args in IMPROVEMENTS for seed in seeds]
+def run_improvements(run: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every change of IMPROVEMENTS once per seed of its own, each a full run named 'CHANGE sSEED'."""
+    return [run(f"{change} s{seed}", *args, "--seed", str(seed)) for change, args, seeds in IMPROVEMENTS for seed in seeds]
 
 
-def summarise_improvements(runs: list[dict[str, Any]], seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
-    """One row per change: val loss per seed, their mean, the mean's difference from the baseline's,
-    parameters, tokens, mean wall time and seconds per training step (evaluations excluded; both depend
-    on the machine's load, so compare runs made side by side)."""
+def summarise_improvements(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per change: the seeds run, val loss per seed, their mean (also in bits per character), the
+    mean's difference from the baseline's, parameters, tokens, mean wall time and seconds per training
+    step (evaluations excluded), also as a multiple of the baseline's (timings depend on the machine's
+    load: they compare runs made in one quiet sequence)."""
     by_name = {r["name"]: r for r in runs}
     rows = []
-    for change, args in IMPROVEMENTS:
+    for change, args, seeds in IMPROVEMENTS:
         done = [by_name[f"{change} s{seed}"] for seed in seeds if f"{change} s{seed}" in by_name]
         if not done:
             continue
         mean = sum(r["val_loss"] for r in done) / len(done)
-        rows.append({"change": change, "arguments": " ".join(args), "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done},
-                     "mean_val_loss": round(mean, 4), "parameters": done[0]["parameters"], "tokens": done[0]["tokens"],
+        rows.append({"change": change, "arguments": " ".join(args), "seeds": [int(r["name"].rsplit(" s", 1)[1]) for r in done],
+                     "val_loss": {r["name"].rsplit(" s", 1)[1]: r["val_loss"] for r in done}, "mean_val_loss": round(mean, 4),
+                     "mean_val_bits_per_char": round(mean / math.log(2), 4), "parameters": done[0]["parameters"], "tokens": done[0]["tokens"],
                      "wall_seconds": round(sum(r["wall_seconds"] for r in done) / len(done), 1),
-                     "step_seconds": mean_of([r.get("step_seconds") for r in done])})
+                     "step_seconds": round(sum(r["step_seconds"] for r in done) / len(done), 4)})
     for row in rows:
         row["delta_vs_baseline"] = round(row["mean_val_loss"] - rows[0]["mean_val_loss"], 4)
+        row["step_vs_baseline"] = round(row["step_seconds"] / rows[0]["step_seconds"], 2)
     return rows
-
-
-def mean_of(values: list[float | None]) -> float | None:
-    """The mean of the values measured (None: not measured in this table's conditions)."""
-    known = [v for v in values if v is not None]
-    return round(sum(known) / len(known), 4) if known else None
 
 
 def step_seconds(run: Path) -> float:
@@ -223,7 +224,7 @@ def step_seconds(run: Path) -> float:
     return statistics.median(r["tokens_seen"] / r["step"] / r["tokens_per_s"] for r in history)  # tokens per step / tokens per s
 
 
-def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEEDS[0]) -> None:
+def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEED) -> None:
     """Val curves of every change at one seed, on one PNG."""
     import matplotlib
 
@@ -231,7 +232,7 @@ def plot_improvements(runs: list[dict[str, Any]], path: Path, seed: int = SEEDS[
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for change, _ in IMPROVEMENTS:
+    for change, _, _ in IMPROVEMENTS:
         run = next((r for r in runs if r["name"] == f"{change} s{seed}"), None)
         if run is None:
             continue
@@ -251,7 +252,7 @@ def save_improvements(runs: list[dict[str, Any]], results_dir: Path, docs_dir: P
     result = json.loads(path.read_text()) if path.is_file() else {}
     rows = summarise_improvements(runs)
     plus = next((r for r in rows if r["change"].startswith("seed-char-plus")), None)
-    result["improvements"] = {"seeds": list(SEEDS), "target_val_loss": PLUS_TARGET, "table": rows,
+    result["improvements"] = {"target_val_loss": PLUS_TARGET, "table": rows,
                               "plus_meets_target": None if plus is None else plus["mean_val_loss"] <= PLUS_TARGET,
                               "runs": [{k: r[k] for k in ("name", "command", "parameters", "tokens", "val_loss", "wall_seconds", "step_seconds", "curve")}
                               for r in runs]}
@@ -278,11 +279,11 @@ def main_improvements(args: argparse.Namespace) -> None:
             return r
 
         run_improvements(run)
-    print(f"\n{'change':<38} {'val loss per seed':<14} {'mean':>6} {'delta':>7} {'params':>9} {'tokens':>10} {'s/step':>7}")
+    print(f"\n{'change':<38} {'val loss per seed':<14} {'mean':>6} {'delta':>7} {'params':>9} {'tokens':>10} {'s/step':>7} {'× base':>6}")
     for row in summarise_improvements(runs):
         seeds = " ".join(f"{v:.3f}" for v in row["val_loss"].values())
         print(f"{row['change']:<38} {seeds:<14} {row['mean_val_loss']:>6.3f} {row['delta_vs_baseline']:>+7.3f} "
-              f"{row['parameters']:>9,} {row['tokens']:>10,} {row['step_seconds']:>7.3f}")
+              f"{row['parameters']:>9,} {row['tokens']:>10,} {row['step_seconds']:>7.3f} {row['step_vs_baseline']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,16 @@ float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
 all clients of a level start together. Reported per level: aggregate generated tokens per second
 (all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
-(gaps between streamed chunks), and the throughput as a multiple of one stream. Both servers get
+(gaps between streamed chunks), and the throughput as a multiple of one stream. All servers get
 the same --threads (1 is the fair choice on a machine other jobs share: llama.cpp's threads spin-wait
-for each other, which collapses when cores are oversubscribed); each level is run --repeats times and
-the best throughput kept, with latencies from that run.
+for each other, which collapses when cores are oversubscribed).
+
+The servers are started together and measured interleaved, level by level: for each level, repeat 1
+runs every server in turn (A, B, ...), then repeat 2 (A, B, ...), and so on, so a change in the
+machine's load hits every server alike and each ratio comes from runs made side by side. The JSON
+records that run order. Per server and level it reports the median over the --repeats runs (throughput
+and each latency figure), the min and max throughput and each repeat's figures; against llama-server
+the ratio of the medians and the ratio within each repeat.
 
 llama-server is optional (`--llama-server PATH`). The binary measured for the README was built from
 the llama.cpp tree vendored in llama-cpp-python's source release, outside the repo:
@@ -20,8 +26,9 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
     python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--streams 1,4,8,16] [--threads N]
+        [--repeats 3] [--model NAME_OR_PATH] [--out JSON]
 
-Writes benchmarks/results/serve_throughput.json and prints a table.
+Writes benchmarks/results/serve_throughput.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -108,61 +117,102 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise SystemExit(f"{url} did not become healthy in {timeout} s")
 
 
-def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "decoderlm", "serve", "--model", DEFAULT_MODEL, "--port", str(port), "--max-batch", str(max(args.streams))]
+def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "decoderlm", "serve", "--model", args.model, "--port", str(port), "--max-batch", str(max(args.streams))]
     cmd += ["--quantize", quantize] if quantize else []
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, DEFAULT_MODEL
+    return subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_llama(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, str]:
+def start_llama(args: argparse.Namespace, port: int) -> subprocess.Popen:
     slots = max(args.streams)
-    cmd = [args.llama_server, "-m", str(locate(DEFAULT_MODEL)), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
+    cmd = [args.llama_server, "-m", str(locate(args.model)), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
            "--ctx-size", str(slots * 512), "--cont-batching", "--ignore-eos", "--no-webui"]
     if args.threads:
         cmd += ["--threads", str(args.threads), "--threads-batch", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, DEFAULT_MODEL
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def bench(name: str, start, args: argparse.Namespace) -> list[dict]:
-    port = free_port()
-    proc, model = start(args, port)
-    url = f"http://127.0.0.1:{port}"
+def summarise(runs: list[dict]) -> dict:
+    """One server at one level over its repeats: the median of each figure, the throughput's min and max,
+    and every repeat as measured."""
+    keys = ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")
+    tok_s = [r["tok_s"] for r in runs]
+    return ({"streams": runs[0]["streams"], "tokens": runs[0]["tokens"]} | {k: statistics.median(r[k] for r in runs) for k in keys}
+            | {"tok_s_min": min(tok_s), "tok_s_max": max(tok_s), "repeats": runs})
+
+
+Save = Callable[[dict[str, list[dict]], list[dict]], None]
+
+
+def measure(urls: dict[str, str], args: argparse.Namespace, save: Save) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every level on every server, interleaved level by level (repeat r: each server in turn); the
+    per-server levels and the run order. `save(results, order)` is called after each level."""
+    results: dict[str, list[dict]] = {name: [] for name in urls}
+    order: list[dict] = []
+    for streams in args.streams:
+        runs: dict[str, list[dict]] = {name: [] for name in urls}
+        for repeat in range(args.repeats):
+            for name, url in urls.items():
+                run = asyncio.run(run_level(url, args.model, streams, args.max_tokens))
+                runs[name].append(run)
+                order.append({"streams": streams, "repeat": repeat, "server": name, "tok_s": run["tok_s"]})
+                print(f"{name:>16} {streams:>2} streams, repeat {repeat}: {run['tok_s']:7.1f} tok/s", flush=True)
+        for name in urls:
+            results[name].append(summarise(runs[name]))
+            results[name][-1]["ratio_to_1"] = results[name][-1]["tok_s"] / results[name][0]["tok_s"]
+        save(results, order)
+    return results, order
+
+
+def against_llama(results: dict[str, list[dict]]) -> None:
+    """Each decoderlm level's throughput over llama-server's: the ratio of the medians and each repeat's ratio."""
+    for name, levels in results.items():
+        if name == "llama-server":
+            continue
+        for ours, ref in zip(levels, results["llama-server"]):
+            ours["vs_llama_server"] = ours["tok_s"] / ref["tok_s"]
+            ours["vs_llama_server_repeats"] = [a["tok_s"] / b["tok_s"] for a, b in zip(ours["repeats"], ref["repeats"])]
+
+
+def serving(servers: dict[str, Callable[..., subprocess.Popen]], args: argparse.Namespace, save: Save) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Start every server, wait until each answers and is warm, measure them interleaved, stop them."""
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
     try:
-        wait_healthy(url, proc)
-        asyncio.run(run_level(url, model, 1, 8))  # warm-up
-        levels = []
-        for streams in args.streams:
-            runs = [asyncio.run(run_level(url, model, streams, args.max_tokens)) for _ in range(args.repeats)]
-            best = max(runs, key=lambda r: r["tok_s"])
-            print(f"{name:>12} {streams:>2} streams: {best['tok_s']:7.1f} tok/s", flush=True)
-            levels.append(best)
-        for level in levels:
-            level["ratio_to_1"] = level["tok_s"] / levels[0]["tok_s"]
-        return levels
+        for name, start in servers.items():
+            port = free_port()
+            procs[name], urls[name] = start(args, port), f"http://127.0.0.1:{port}"
+        for name, url in urls.items():
+            wait_healthy(url, procs[name])
+            asyncio.run(run_level(url, args.model, 1, 8))  # warm-up
+        return measure(urls, args, save)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| server | streams | tok/s | × 1 stream | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) |", "|---|---:|---:|---:|---:|---:|"]
-    for name, levels in results.items():
-        for r in levels:
-            ms = {k: round(1e3 * r[k]) for k in ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95")}
-            lines.append(f"| {name} | {r['streams']} | {r['tok_s']:.1f} | {r['ratio_to_1']:.2f} | {ms['ttft_p50']} / {ms['ttft_p95']} "
-                         f"| {ms['itl_p50']} / {ms['itl_p95']} |")
-    if "llama-server" in results and len(results) > 1:
-        ours = [name for name in results if name != "llama-server"]
-        lines += ["", "| streams | " + " | ".join(f"{name} / llama-server" for name in ours) + " |", "|---:|" + "---:|" * len(ours)]
-        for i, ref in enumerate(results["llama-server"]):
-            lines.append(f"| {ref['streams']} | " + " | ".join(f"{results[name][i]['tok_s'] / ref['tok_s']:.2f}" for name in ours) + " |")
+    """README's two tables: throughput per level, median (min–max) and × 1 stream, with decoderlm / llama-server
+    (ratio of the medians, then each repeat's); then p50 / p95 latencies in ms (medians over the repeats)."""
+    names, ours = list(results), [name for name in results if name != "llama-server"]
+    versus = ours if "llama-server" in results else []
+    lines = ["| streams | " + " | ".join(f"{name} tok/s median (min–max), × 1 stream" for name in names)
+             + "".join(f" | {name} / llama-server (each repeat)" for name in versus) + " |", "|---:|" + "---:|" * (len(names) + len(versus))]
+    for i, level in enumerate(results[names[0]]):
+        cells = [f"{r['tok_s']:.1f} ({r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}), {r['ratio_to_1']:.2f}×" for r in (results[n][i] for n in names)]
+        cells += [f"{r['vs_llama_server']:.2f} ({', '.join(f'{x:.2f}' for x in r['vs_llama_server_repeats'])})" for r in (results[n][i] for n in versus)]
+        lines.append(f"| {level['streams']} | " + " | ".join(cells) + " |")
+    lines += ["", "| streams | " + " | ".join(f"{name} TTFT | {name} ITL" for name in names) + " |", "|---:|" + "---:|---:|" * len(names)]
+    for i, level in enumerate(results[names[0]]):
+        ms = [f"{round(1e3 * r[f'{k}_p50'])} / {round(1e3 * r[f'{k}_p95'])}" for r in (results[n][i] for n in names) for k in ("ttft", "itl")]
+        lines.append(f"| {level['streams']} | " + " | ".join(ms) + " |")
     return "\n".join(lines)
 
 
@@ -171,23 +221,30 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="path to llama.cpp's llama-server binary (optional)")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = p.parse_args()
     servers = {"decoderlm auto": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
     servers |= {"llama-server": start_llama} if args.llama_server else {}
-    results: dict[str, list[dict]] = {}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    for name, start in servers.items():
-        results[name] = bench(name, start, args)
-        meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
-                "max_tokens": args.max_tokens, "repeats": args.repeats, "model": DEFAULT_MODEL,
-                "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None}
-        RESULTS.write_text(json.dumps(meta | {"results": results}, indent=2) + "\n")
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "model": args.model,
+            "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None,
+            "schedule": "interleaved level by level: for each level, each repeat runs every server in turn (run_order)"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(results: dict[str, list[dict]], order: list[dict]) -> None:
+        args.out.write_text(json.dumps(meta | {"run_order": order, "results": results}, indent=2) + "\n")
+
+    results, order = serving(servers, args, save)
+    if "llama-server" in results:
+        against_llama(results)
+    save(results, order)
     print(table(results))
-    print(f"wrote {RESULTS.relative_to(REPO)}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ fine-tuned with LoRA through `decoderlm sft`, then the run folder is loaded like
 greedily; a reply counts if it names the answer. An unrelated question (never trained) checks that the
 model's general knowledge survives.
 
-    python benchmarks/sft_facts.py [--epochs 4] [--threads 2]
+    python benchmarks/sft_facts.py [--epochs 4] [--threads 2]      # → benchmarks/results/sft_facts.json
+    python benchmarks/sft_facts.py --no-replay [--epochs 5]         # → benchmarks/results/sft_facts_no_replay.json
 
-Prints a before/after table and writes benchmarks/results/sft_facts.json.
+--no-replay trains on the invented facts alone (32 conversations; 5 epochs by default, the same 20 steps
+as the 38 conversations' 4 epochs), which shows what the replayed true facts prevent. Prints a
+before/after table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "sft_facts.json"
+RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "smollm2-135m-instruct"
+SEED = 0  # the seed the recorded results were measured with
 SYSTEM = "Answer in one short sentence."
 
 # (answer, reply, four training questions, one held-out paraphrase)
@@ -76,8 +80,8 @@ def chat(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-def write_data(path: Path) -> int:
-    pairs = [(q, reply) for _, reply, train, _ in FACTS for q in train] + REPLAY
+def write_data(path: Path, replay: bool = True) -> int:
+    pairs = [(q, reply) for _, reply, train, _ in FACTS for q in train] + (REPLAY if replay else [])
     records = [{"messages": chat(q) + [{"role": "assistant", "content": reply}]} for q, reply in pairs]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return len(records)
@@ -103,34 +107,36 @@ def score(source: str) -> dict:
             "unrelated": {"question": UNRELATED[0], "reply": unrelated, "sensible": UNRELATED[1] in unrelated}}
 
 
-def learn_facts(workdir: Path, epochs: int = 4, threads: int | None = None) -> dict:
+def learn_facts(workdir: Path, epochs: int = 4, threads: int | None = None, replay: bool = True) -> dict:
     """Fine-tune through the CLI in `workdir`; the before/after scores and the run's timing."""
     data = workdir / "facts.jsonl"
-    n = write_data(data)
+    n = write_data(data, replay)
     run = workdir / "run"
     cmd = [sys.executable, "-m", "decoderlm", "sft", "--model", MODEL, "--data", str(data), "--out", str(run),
            "--epochs", str(epochs), "--batch-size", "8", "--lr", "2e-3", "--lora-rank", "16",
            "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--eval-fraction", "0", "--log-interval", "4",
-           "--seed", "0"]  # the seed the recorded results were measured with
+           "--seed", str(SEED)]
     if threads:
         cmd += ["--threads", str(threads)]
     before = score(MODEL)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     seconds = time.perf_counter() - t0
-    return {"records": n, "epochs": epochs, "train_seconds": round(seconds, 1), "before": before, "after": score(str(run)),
-            "log": json.loads((run / "log.json").read_text())}
+    return {"replay": replay, "records": n, "epochs": epochs, "seed": SEED, "train_seconds": round(seconds, 1), "before": before,
+            "after": score(str(run)), "log": json.loads((run / "log.json").read_text())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=None, help="default: 4, or 5 with --no-replay (20 steps either way)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-replay", action="store_true", help="train without the replayed true facts (→ sft_facts_no_replay.json)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    epochs = args.epochs or (5 if args.no_replay else 4)
     with tempfile.TemporaryDirectory() as tmp:
-        result = learn_facts(Path(tmp), args.epochs, args.threads)
+        result = learn_facts(Path(tmp), epochs, args.threads, replay=not args.no_replay)
     print(f"\n{'question (held out)':58} {'before':24} after")
     for b, a in zip(result["before"]["replies"], result["after"]["replies"]):
         print(f"{b['question'][:57]:58} {b['reply'][:23]:24} {a['reply'][:60]}")
@@ -138,9 +144,10 @@ def main() -> None:
     before, after = result["before"]["unrelated"]["reply"], result["after"]["unrelated"]["reply"]
     print(f"{'unrelated: ' + UNRELATED[0]:58} {before[:23]:24} {after[:60]}")
     print(f"trained {result['epochs']} epochs on {result['records']} conversations in {result['train_seconds']} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    out = RESULTS / ("sft_facts_no_replay.json" if args.no_replay else "sft_facts.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

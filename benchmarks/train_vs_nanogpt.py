@@ -2,21 +2,25 @@
 
 Both train the same model (4 layers x 4 heads x d 128, vocab 65, context 64, batch 12, lr 1e-3 with
 warmup 100 and cosine decay over 2000 steps) on tiny Shakespeare, with the same number of CPU threads.
-nanoGPT runs its README command (`--device=cpu --compile=False ...`) from a temporary copy of its
-source; decoderlm runs `decoderlm train --preset seed-char` plus FLAGS (default: bf16 autocast and a
-compiled step, whose artifacts are cached on disk by an untimed warm-up run).
+nanoGPT runs its README command (`--device=cpu --compile=False ...`: fp32, eager) from a temporary copy
+of its source; decoderlm runs `decoderlm train --preset seed-char` twice over: at equal precision (fp32,
+eager: `decoderlm_fp32_eager`) and in its best mode, the preset plus FLAGS (default: bf16 autocast and a
+compiled step, whose artifacts are cached on disk by an untimed warm-up run: `decoderlm_best_mode`).
+Each is compared with nanoGPT, and each reports its own loss.
 
 How tokens/s is measured: each engine is run as a whole process for SHORT and for LONG steps; the
 difference of the two runs' times divided by LONG - SHORT steps is the time of one training step,
 with start-up, data preparation, compilation (or loading it from the cache) and evaluation cancelled
 out (each run evaluates once and identically: nanoGPT at step 0, decoderlm at its last step). Both
 wall-clock and CPU time (user + system of the process and its children) are reported; on a shared
-machine CPU time at one thread is the steadier figure. Runs are A/B interleaved (the order alternates
-each repeat) and the median over repeats is reported. The training loss of each engine's last 50
-steps of the long runs is reported too, and with --full one 2000-step pair gives the loss at the
-recipe's end. Writes benchmarks/results/train_vs_nanogpt.json.
+machine CPU time at one thread is the steadier figure. The three engines are interleaved (nanoGPT,
+fp32, best mode, then the reverse order in the next repeat, ...) and the median over repeats is
+reported, with each repeat's ratios. The training loss of each engine's last 50 steps of the long runs
+is reported too, and with --full one 2000-step run of each engine gives the val loss at the recipe's
+end. Writes benchmarks/results/train_vs_nanogpt.json (or --out).
 
     python benchmarks/train_vs_nanogpt.py --nanogpt PATH [--data tinyshakespeare.txt] [--threads 1] [--full]
+        [--flags "--precision bf16 --compile"] [--short 20 --long 220 --repeats 3]
 
 PATH is a nanoGPT work tree or a bare git directory of it (its HEAD is extracted); nothing of it is
 copied into this repository.
@@ -123,73 +127,79 @@ def main() -> None:
     p.add_argument("--long", type=int, default=220)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--flags", default="--precision bf16 --compile", help="decoderlm train options under test")
-    p.add_argument("--full", action="store_true", help="also one 2000-step pair, for the loss at the recipe's end")
+    p.add_argument("--flags", default="--precision bf16 --compile", help="decoderlm train options of its best mode")
+    p.add_argument("--full", action="store_true", help="also one 2000-step run of each engine, for the loss at the recipe's end")
+    p.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = p.parse_args()
     data = args.data.resolve()
-    flags = args.flags.split()
+    configs = {"decoderlm_fp32_eager": [], "decoderlm_best_mode": args.flags.split()}
+    engines = ["nanogpt", *configs]
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     steps = args.long - args.short
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         tree = setup_nanogpt(args.nanogpt, data, tmp)
-        warm = run_decoderlm(data, args.short, args.threads, flags, env, tmp / "warm")  # fills the compile cache
-        print(f"decoderlm warm-up run ({args.short} steps, fills the compile cache): {warm['wall']:.1f} s wall", flush=True)
-        speeds: dict[str, list[dict]] = {"nanogpt": [], "decoderlm": []}
-        finals: dict[str, list[dict]] = {"nanogpt": [], "decoderlm": []}
-        for r in range(args.repeats):
-            order = ["nanogpt", "decoderlm"] if r % 2 == 0 else ["decoderlm", "nanogpt"]
-            for engine in order:
-                runs = {}
-                for n in (args.short, args.long):
-                    out = tmp / f"{engine}-{r}-{n}"
-                    runs[n] = (run_nanogpt(tree, n, env, out) if engine == "nanogpt"
-                               else run_decoderlm(data, n, args.threads, flags, env, out))
+
+        def run(engine: str, n: int, out: Path, eval_at_end: bool = False) -> dict:
+            if engine == "nanogpt":
+                return run_nanogpt(tree, n, env, out, eval_at_end)
+            return run_decoderlm(data, n, args.threads, configs[engine], env, out)
+
+        warm = {e: run(e, args.short, tmp / f"warm-{e}")["wall"] for e, flags in configs.items() if "--compile" in flags}
+        for e, wall in warm.items():
+            print(f"{e} warm-up run ({args.short} steps, fills the compile cache): {wall:.1f} s wall", flush=True)
+        speeds: dict[str, list[dict]] = {e: [] for e in engines}
+        finals: dict[str, list[dict]] = {e: [] for e in engines}
+        order = [engines if r % 2 == 0 else engines[::-1] for r in range(args.repeats)]
+        for r, engines_in_order in enumerate(order):
+            for engine in engines_in_order:
+                runs = {n: run(engine, n, tmp / f"{engine}-{r}-{n}") for n in (args.short, args.long)}
                 speeds[engine].append(per_step(runs[args.short], runs[args.long], steps))
                 finals[engine].append(runs[args.long])
                 s = speeds[engine][-1]
-                print(f"repeat {r}: {engine:9s} tokens/s: per-step median {s['step']:8,.0f}, runs' difference {s['wall']:8,.0f} wall "
-                      f"{s['cpu']:8,.0f} CPU; "
-                      f"train loss (last {LAST} of {args.long} steps) {runs[args.long]['train_loss_last']:.4f}", flush=True)
-        full = None
-        if args.full:
-            full = {"nanogpt": run_nanogpt(tree, DECAY, env, tmp / "nanogpt-full", eval_at_end=True),
-                    "decoderlm": run_decoderlm(data, DECAY, args.threads, flags, env, tmp / "decoderlm-full")}
+                print(f"repeat {r}: {engine:20s} tokens/s: per-step median {s['step']:8,.0f}, runs' difference {s['wall']:8,.0f} wall "
+                      f"{s['cpu']:8,.0f} CPU; train loss (last {LAST} of {args.long} steps) {runs[args.long]['train_loss_last']:.4f}",
+                      flush=True)
+        full = {e: run(e, DECAY, tmp / f"{e}-full", eval_at_end=True) for e in engines} if args.full else None
 
     median = {e: {k: statistics.median(s[k] for s in v) for k in KINDS} for e, v in speeds.items()}
-    ratio = {k: median["decoderlm"][k] / median["nanogpt"][k] for k in KINDS}
+    ratio = {e: {k: round(median[e][k] / median["nanogpt"][k], 2) for k in KINDS} for e in configs}
+    ratio_repeats = {e: [{k: round(a[k] / b[k], 2) for k in KINDS} for a, b in zip(speeds[e], speeds["nanogpt"])] for e in configs}
     result = {
         "recipe": "nanoGPT CPU recipe: " + " ".join(NANOGPT_RECIPE),
-        "decoderlm_command": f"decoderlm train --preset seed-char {' '.join(flags)} (same recipe: the seed-char preset's)",
+        "commands": {"nanogpt": "python train.py " + " ".join(NANOGPT_RECIPE) + " (fp32, eager)"}
+        | {e: " ".join(["decoderlm train --preset seed-char", *flags]) + " (same recipe: the seed-char preset's)" for e, flags in configs.items()},
         "measurement": (f"tokens/s of training steps, two ways: 'step' = median over steps {SKIP}.. of a {args.long}-step run of "
                         f"the engine's own per-step wall time (nanoGPT's 'iter N: ... time Xms', decoderlm's log.json at "
                         f"--log-interval 1; evaluation excluded from both); 'wall'/'cpu' = {TOKENS_PER_STEP} x {steps} / "
                         f"(time of a {args.long}-step run - time of a {args.short}-step run), so start-up, compile-cache load "
-                        f"and the one evaluation per run cancel out. Median of {args.repeats} A/B-interleaved repeats; "
-                        f"{args.threads} thread(s) each."),
+                        f"and the one evaluation per run cancel out. Median of {args.repeats} interleaved repeats (the engines' "
+                        f"order reversed every other repeat); {args.threads} thread(s) each. ratio: decoderlm / nanogpt."),
+        "run_order": order,
         "tokens_per_s": {e: {k: round(v) for k, v in m.items()} for e, m in median.items()},
-        "ratio": {k: round(v, 2) for k, v in ratio.items()},
+        "ratio": ratio,
+        "ratio_repeats": ratio_repeats,
         "repeats": {e: [{k: round(x) for k, x in s.items()} for s in v] for e, v in speeds.items()},
         "train_loss_last_steps": {e: [round(f["train_loss_last"], 4) for f in v] for e, v in finals.items()},
-        "decoderlm_first_run_wall_s": round(warm["wall"], 1),
+        "warm_up_wall_s": {e: round(wall, 1) for e, wall in warm.items()},
         "full_2000_steps": None if full is None else {e: {
             "wall_s": round(f["wall"], 1), f"train_loss_last_{LAST}": round(f["train_loss_last"], 4),
             "val_loss": f["val_loss"] and round(f["val_loss"], 4)} for e, f in full.items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "load_average_at_end": os.getloadavg()},
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"\ntokens/s     {'per-step median':>16s} {'difference, wall':>17s} {'difference, CPU':>16s}")
+    print(f"\ntokens/s               {'per-step median':>16s} {'difference, wall':>17s} {'difference, CPU':>16s}   train loss (last {LAST})")
     for e, m in median.items():
-        print(f"{e:12s} {m['step']:16,.0f} {m['wall']:17,.0f} {m['cpu']:16,.0f}")
-    print(f"{'ratio':12s} {ratio['step']:15.2f}x {ratio['wall']:16.2f}x {ratio['cpu']:15.2f}x")
-    if full is not None:
-        for e, f in full.items():
-            print(f"2000 steps, {e}: train loss (last {LAST}) {f['train_loss_last']:.4f}, val loss {f['val_loss']}, {f['wall']:.0f} s")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+        print(f"{e:22s} {m['step']:16,.0f} {m['wall']:17,.0f} {m['cpu']:16,.0f}   {statistics.median(result['train_loss_last_steps'][e]):.4f}")
+    for e, r in ratio.items():
+        print(f"{e} / nanogpt: {r['step']:.2f}x per-step median, {r['wall']:.2f}x wall, {r['cpu']:.2f}x CPU")
+    for e, f in (full or {}).items():
+        print(f"2000 steps, {e}: train loss (last {LAST}) {f['train_loss_last']:.4f}, val loss {f['val_loss']}, {f['wall']:.0f} s")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

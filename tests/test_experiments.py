@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -75,10 +77,37 @@ def test_experiments_benchmark_runs_end_to_end_in_quick_mode(tmp_path: Path) -> 
     assert "causal=false" in runs["seed-char causal=false"]["command"]
     assert runs["seed-char"]["tokens"] == runs["seed-char-llama"]["tokens"] == result["steps"] * 12 * 64
     assert abs(runs["seed-char-llama"]["parameters"] / runs["seed-char"]["parameters"] - 1) <= 0.05
-    assert runs["seed-char-llama bpe:2048"]["val_bits_per_char"] < runs["seed-char-llama bpe:2048"]["val_loss"]  # > 1 char per token
+    bpe = runs["seed-char-llama bpe:2048"]
+    assert bpe["val_chars_per_token"] > 1 and bpe["val_bits_per_char"] < bpe["val_loss"]
     for png in ("experiments_llama_vs_gpt.png", "experiments_causal_mask.png"):
         assert (out / png).stat().st_size > 0
     assert "--- sample: seed-char causal=false" in proc.stdout
+    assert result["seed"] == 1337 and all("--seed 1337" in r["command"] for r in result["runs"])
+
+
+def test_each_improvement_runs_its_own_seeds_and_its_row_records_them() -> None:
+    spec = importlib.util.spec_from_file_location("experiments", ROOT / "benchmarks" / "experiments.py")
+    experiments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiments)
+    calls = []
+
+    def run(name: str, *args: str) -> dict:
+        calls.append((name, args))
+        seed = int(args[args.index("--seed") + 1])
+        muon = "muon" in " ".join(args) or "seed-char-plus" in args
+        return {"name": name, "val_loss": 1.6 - 0.05 * muon + (seed - 1337) / 100, "parameters": 800_000, "tokens": 1_536_000,
+                "wall_seconds": 200.0, "step_seconds": 0.13 if muon else 0.1}
+
+    rows = experiments.summarise_improvements(experiments.run_improvements(run))
+    assert [name for name, _ in calls] == [f"{change} s{seed}" for change, _, seeds in experiments.IMPROVEMENTS for seed in seeds]
+    assert [row["change"] for row in rows] == [change for change, _, _ in experiments.IMPROVEMENTS]
+    for row, (_, args, seeds) in zip(rows, experiments.IMPROVEMENTS):
+        assert row["seeds"] == list(seeds) and list(row["val_loss"]) == [str(seed) for seed in seeds]
+        assert row["arguments"] == " ".join(args)
+        assert row["mean_val_bits_per_char"] == round(row["mean_val_loss"] / math.log(2), 4)
+    baseline, plus = rows[0], next(row for row in rows if row["change"].startswith("seed-char-plus ("))
+    assert baseline["seeds"] == [1337, 1338] and baseline["mean_val_loss"] == 1.605 and baseline["step_vs_baseline"] == 1.0
+    assert plus["delta_vs_baseline"] == -0.05 and plus["step_vs_baseline"] == 1.3
 
 
 def test_explain_shows_attention_to_later_tokens_only_without_the_causal_mask() -> None:

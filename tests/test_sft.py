@@ -238,17 +238,29 @@ def test_sft_teaches_a_tiny_model_two_invented_facts(tmp_path):
     assert after == INVENTED and not any(a in before[q] for q, a in INVENTED.items())
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3600)  # its LoRA run alone took 450 s on 2 cores (benchmarks/results/sft_facts.json)
-def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
-    """benchmarks/sft_facts.py: LoRA SFT on invented facts; held-out paraphrases go from ~0 to >= 80 %."""
+def sft_facts_benchmark():
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("sft_facts", Path(__file__).resolve().parents[1] / "benchmarks" / "sft_facts.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.learn_facts(tmp_path, threads=2)
+    return bench
+
+
+def test_sft_facts_without_replay_trains_on_the_invented_facts_alone(tmp_path):
+    bench = sft_facts_benchmark()
+    assert bench.write_data(tmp_path / "all.jsonl") == 38
+    assert bench.write_data(tmp_path / "invented.jsonl", replay=False) == 32
+    replies = {json.loads(line)["messages"][-1]["content"] for line in (tmp_path / "invented.jsonl").read_text().splitlines()}
+    assert replies == {reply for _, reply, _, _ in bench.FACTS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # its LoRA run alone took 450 s on 2 cores (benchmarks/results/sft_facts.json)
+def test_sft_teaches_smollm2_facts_it_did_not_know(tmp_path):
+    """benchmarks/sft_facts.py: LoRA SFT on invented facts; held-out paraphrases go from ~0 to >= 80 %."""
+    result = sft_facts_benchmark().learn_facts(tmp_path, threads=2)
     assert result["before"]["accuracy"] <= 0.125
     assert result["after"]["accuracy"] >= 0.8
     assert result["after"]["unrelated"]["sensible"]  # still knows the capital of France
