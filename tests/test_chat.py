@@ -20,6 +20,8 @@ from decoderlm.loader import load
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer.chat import render_chat
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 TEMPLATES = [
     # Llama-3 style: bos_token, strftime_now, trimming, loop controls.
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}"

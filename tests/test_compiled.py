@@ -25,6 +25,8 @@ from decoderlm.sampling import SamplingParams
 from tests.conftest import configs, tiny_model
 from tests.hf_models import make_hf_model
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPILING = "compiling the decode step once"
 

@@ -25,6 +25,8 @@ from decoderlm.model.norm import RMSNorm
 from decoderlm.model.rope import apply_rope_, inverse_frequencies, rope_cos_sin
 from decoderlm.quantize import Int4Linear, Int8GroupLinear, Int8Linear, concat, kernel, layout, quantize
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 TOL = 1e-5
 
 

@@ -25,6 +25,8 @@ PROBE = """
 import json, sys, torch
 import decoderlm.formats.gguf, decoderlm.loader  # the baseline: interpreter, torch and decoderlm's code
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 

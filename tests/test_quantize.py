@@ -26,6 +26,8 @@ from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.sampling import SamplingParams
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 LAYERS = {"int8": q.Int8Linear, "int4": q.Int4Linear}
 
 
@@ -240,6 +242,7 @@ def smollm2_reference():
     return model, tok, seq, logits
 
 
+@pytest.mark.heavy  # 512 tokens through the unvectorized kernels take minutes at the plain CPU level
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_smollm2_is_as_faithful_as_llama_cpp(smollm2_reference, mode, monkeypatch):
     """Loaded straight from the GGUF's blocks and teacher-forced over 512 tokens: perplexity within

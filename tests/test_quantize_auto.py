@@ -20,6 +20,8 @@ from decoderlm.loader import load
 from decoderlm.quantize import Int4Linear, Int8GroupLinear
 from decoderlm.sampling import SamplingParams
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 CPU = torch.device("cpu")
 
 

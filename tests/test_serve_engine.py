@@ -18,6 +18,8 @@ from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams, sample, sample_batch
 from decoderlm.serve import Engine, TokenOutput
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 
 
