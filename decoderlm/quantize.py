@@ -247,7 +247,7 @@ def dense_dtype() -> torch.dtype:
 
 
 DENSE_TOKENS = 64  # from this many tokens per sequence in one forward (a prefill) packed layers multiply densely
-EXACT_TOP = 64  # the LM head rescores this many best candidates of each row exactly in fp32
+EXACT_TOP = 32  # the LM head rescores this many best candidates of each row exactly in fp32 (OpenAI logprobs go to 20)
 
 
 def tokens_per_sequence(x: torch.Tensor) -> int:
