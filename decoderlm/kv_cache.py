@@ -17,7 +17,7 @@ import torch
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import build_mask, causal_mask, default_positions
+from decoderlm.model.attention import aligned, build_mask, causal_mask, default_positions
 
 
 class Cache(Protocol):
@@ -35,8 +35,12 @@ class Cache(Protocol):
 
 
 class KVCache:
+    """Preallocated (B, Hkv, max_len, D) buffers filled left to right. Attention gets the filled slots
+    rounded up to a multiple of 16 (`aligned`) under an explicit mask, as the paged cache gives them, so
+    a sequence decoded here and one served in a batch compute the same numbers."""
+
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, L, D)
+        shape = (batch_size, config.n_kv_heads, aligned(max_len), config.head_dim)  # (B, Hkv, L, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.max_len = max_len
@@ -46,16 +50,17 @@ class KVCache:
         return default_positions(self.length, T, attention_mask, device)
 
     def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        return causal_mask(self.length, T, attention_mask, window, dtype, device)
+        return causal_mask(self.length, T, attention_mask, window, dtype, device, k_len=aligned(self.length + T))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new k, v (B, Hkv, T, D) after the filled slots; return all keys/values so far (B, Hkv, L, D)."""
+        """Write new k, v (B, Hkv, T, D) after the filled slots; return the keys/values of every token so
+        far and of the masked slots up to a multiple of 16 (B, Hkv, L, D)."""
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {end}")
         self.k[layer][:, :, self.length : end] = k
         self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer][:, :, : aligned(end)], self.v[layer][:, :, : aligned(end)]
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from test_gguf import tokenizer_meta, write_gguf
 
+pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
+
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, D, FFN, HEADS = 24, 512, 1536, 8
 MB = 2**20
@@ -24,8 +26,6 @@ MB = 2**20
 PROBE = """
 import json, sys, torch
 import decoderlm.formats.gguf, decoderlm.loader  # the baseline: interpreter, torch and decoderlm's code
-
-pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))

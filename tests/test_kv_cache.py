@@ -66,9 +66,9 @@ def test_cache_holds_only_the_kv_heads(n_kv_heads):
     config = tiny_config(n_heads=4, n_kv_heads=n_kv_heads)
     mha = KVCache(tiny_config(n_heads=4), batch_size=2, max_len=10)
     cache = KVCache(config, batch_size=2, max_len=10)
-    assert cache.k[0].shape == (2, n_kv_heads, 10, config.head_dim)  # (B, Hkv, L, D)
+    assert cache.k[0].shape == (2, n_kv_heads, 16, config.head_dim)  # (B, Hkv, L, D): 10 slots, rounded up to 16
     assert cache.nbytes() * 4 == mha.nbytes() * n_kv_heads
-    assert cache.nbytes() == 2 * config.n_layers * 2 * n_kv_heads * 10 * config.head_dim * 4  # K and V, fp32
+    assert cache.nbytes() == 2 * config.n_layers * 2 * n_kv_heads * 16 * config.head_dim * 4  # K and V, fp32
 
 
 def test_cache_is_preallocated_and_written_in_place():
@@ -148,12 +148,14 @@ def test_rolling_cache_memory_stops_growing_at_the_window():
     model = tiny_model(n_kv_heads=2, sliding_window=5)
     cache = RollingKVCache(model.config, 1)
     pointers = [t.data_ptr() for t in cache.k + cache.v]
-    assert cache.nbytes() == KVCache(model.config, 1, 4).nbytes()  # the window - 1 tokens a new query needs
+    cfg = model.config
+    window_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * 4 * cfg.head_dim * 4  # K and V of the window - 1 tokens a query needs, fp32
+    assert cache.nbytes() == window_bytes
     with torch.no_grad():
         model(torch.randint(0, 37, (1, 12)), cache=cache)  # a prefill longer than the window
         for _ in range(20):
             model(torch.randint(0, 37, (1, 1)), cache=cache)
-    assert cache.length == 32 and cache.nbytes() == KVCache(model.config, 1, 4).nbytes()
+    assert cache.length == 32 and cache.nbytes() == window_bytes
     assert [t.data_ptr() for t in cache.k + cache.v] == pointers
     assert sorted(cache.slot_pos[0].tolist()) == [28, 29, 30, 31]  # the newest tokens, nothing older
 

@@ -42,17 +42,30 @@ def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, dty
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def causal_mask(start: int, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+KEY_ALIGN = 16  # caches hand attention a multiple of this many keys, the slots past the last token masked
+
+
+def aligned(n_keys: int) -> int:
+    """n_keys rounded up to a multiple of KEY_ALIGN. SDPA's CPU kernels sum a row's keys in vector-wide
+    groups: with the real keys in the same groups and whole groups of masked ones after them, a sequence
+    gets bit-identical attention from every cache and in any batch (an odd key count regroups the tail)."""
+    return -(-n_keys // KEY_ALIGN) * KEY_ALIGN
+
+
+def causal_mask(start: int, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+                device: torch.device, k_len: int | None = None) -> torch.Tensor | None:
     """The mask for T new tokens at slots start..start+T-1 over keys at slots 0..start+T-1 of one
     contiguous sequence. attention_mask (B, >= start+T): 1 for real tokens, 0 for padding.
-    None when plain causal attention is exact (SDPA's is_causal, or one query over all keys)."""
-    k_len = start + T
-    window = window if window is not None and k_len > window else None
-    padded = attention_mask is not None and not bool(attention_mask[:, :k_len].all())
-    if not padded and window is None and (start == 0 or T == 1):
+    k_len: the keys a cache returns (>= start+T, see `aligned`): always an explicit mask over them.
+    Without it, None when plain causal attention is exact (SDPA's is_causal, or one query over all keys)."""
+    n = start + T
+    window = window if window is not None and n > window else None
+    padded = attention_mask is not None and not bool(attention_mask[:, :n].all())
+    if k_len is None and not padded and window is None and (start == 0 or T == 1):
         return None
-    slots = torch.arange(k_len, device=device)[None]  # (1, L)
-    return build_mask(slots[:, start:], slots, window, dtype, attention_mask[:, :k_len] if padded else None)
+    slots = torch.arange(k_len or n, device=device)[None]  # (1, L): slot j holds position j; causality hides j >= n
+    valid = F.pad(attention_mask[:, :n], (0, (k_len or n) - n)) if padded else None
+    return build_mask(slots[:, start:n], slots, window, dtype, valid)
 
 
 def default_positions(start: int, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -14,6 +14,7 @@ some new tokens, through the `decoderlm.kv_cache.Cache` contract the model alrea
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ import torch
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import build_mask
+from decoderlm.model.attention import KEY_ALIGN, build_mask
 
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
 
@@ -133,7 +134,8 @@ class PagedCache:
         bs, device = pool.block_size, pool.k[0].device
         B, T = len(new_lens), max(new_lens)
         totals = [c + n for c, n in zip(context_lens, new_lens)]
-        width = max(-(-t // bs) for t in totals)  # blocks in the longest row
+        unit = math.lcm(bs, KEY_ALIGN) // bs  # whole blocks that hold a multiple of KEY_ALIGN slots
+        width = -(-max(-(-t // bs) for t in totals) // unit) * unit  # blocks in the longest row, rounded up
         for table, total in zip(block_tables, totals):
             if len(table) * bs < total:
                 raise DecoderLMError(f"a block table of {len(table)} blocks cannot hold {total} tokens")
