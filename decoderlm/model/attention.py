@@ -139,7 +139,8 @@ class Attention(nn.Module):
         with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
             if upcast:
                 q, k, v = q.float(), k.float(), v.float()
-            y = F.scaled_dot_product_attention(
+            attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
+            y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads) if attend is not None else F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

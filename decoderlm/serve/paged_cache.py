@@ -19,10 +19,11 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import KEY_ALIGN, build_mask
+from decoderlm.model.attention import KEY_ALIGN, aligned, build_mask
 
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
 
@@ -149,7 +150,7 @@ class PagedCache:
         self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
         self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
-        self.lengths, self.totals = list(context_lens), totals
+        self.lengths, self.totals, self.new_lens = list(context_lens), totals, list(new_lens)
 
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.q_pos
@@ -170,6 +171,19 @@ class PagedCache:
         keys = pool_k.view(by_block).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
         values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """Attention (B, H, T, D) one row at a time, each row's queries over its own keys rounded up to a
+        multiple of 16, as `generate` computes it alone: SDPA's CPU kernel splits its work by the batch's
+        shape, so a row attended in a batch would come out different in its last bits. Padding queries
+        get zeros."""
+        B, T, _ = self.shape
+        y = q.new_zeros(q.shape)
+        for i, (n, total) in enumerate(zip(self.new_lens, self.totals)):
+            L = aligned(total)
+            y[i : i + 1, :, T - n :] = F.scaled_dot_product_attention(
+                q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], attn_mask=mask[i : i + 1, :, T - n :, :L], enable_gqa=gqa)
+        return y
 
     def advance(self, n: int) -> None:
         """The forward is done: each row's new tokens now count as cached (see `lengths`)."""
