@@ -107,7 +107,8 @@ def child(job_path: Path, out_path: Path) -> None:
         t0 = time.perf_counter()
         model, tok = load(job["gguf"], **kwargs)
         params = SamplingParams(temperature=0, max_new_tokens=AGREE_TOKENS, stop_token_ids=tok.eos_token_ids)
-        replies = {pid: generate(model, ids, params) for pid, ids in tqdm(job["prompts"].items(), desc=f"{job['level']} {mode}", unit="prompt")}
+        progress = tqdm(job["prompts"].items(), desc=f"{job['level']} {mode}", unit="prompt")
+        replies = {pid: generate(model, ids, params) for pid, ids in progress}
         out["modes"][mode] = {"replies": replies, "seconds": time.perf_counter() - t0}
         del model  # one model in memory at a time
         gc.collect()
@@ -163,8 +164,8 @@ def run(gguf: Path, levels: Sequence[str], wanted: Iterable[str], threads: int, 
     out_levels = {}
     for level, result in runs.items():
         reference = result["modes"][REFERENCE]["replies"]
-        rows = {mode: {"engine": "decoderlm", "load": ANSWER_MODES[mode], "seconds": r["seconds"], **score(r["replies"], reference, items, tok.decode)}
-                for mode, r in result["modes"].items()}
+        rows = {mode: {"engine": "decoderlm", "load": ANSWER_MODES[mode], "seconds": r["seconds"],
+                       **score(r["replies"], reference, items, tok.decode)} for mode, r in result["modes"].items()}
         if not isinstance(peer, str):
             rows[LLAMA_CPP] = {"engine": LLAMA_CPP, **peer[1], **score(peer[0], reference, items, tok.decode)}
         entry = out_levels[level] = {"isa": result["isa"], "torch": result["torch"], "modes": rows, "verdict": verdict(rows)}
@@ -186,7 +187,8 @@ def print_table(levels: dict[str, dict], n_prompts: int, n_questions: int, skipp
     print("|---|---|---:|---:|---:|")
     for level, entry in levels.items():
         for mode, row in entry["modes"].items():
-            print(f"| {level} | {names.get(mode, mode)} | {row['agree_all32']}/{n_prompts} | {row['mean_prefix']:.1f} | {row['correct']}/{n_questions} |")
+            print(f"| {level} | {names.get(mode, mode)} | {row['agree_all32']}/{n_prompts} | {row['mean_prefix']:.1f} "
+                  f"| {row['correct']}/{n_questions} |")
     print()
     for level, entry in levels.items():
         rows, v = entry["modes"], entry["verdict"]
