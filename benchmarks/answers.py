@@ -11,12 +11,12 @@ tokens. Per level and mode:
   appears, case-insensitive and as a whole word ("10" is not in "100"), in its first ANSWER_TOKENS tokens.
 Each level of `decoderlm.isa.supported()` runs in a child process of its own (`isa.env(level)`): fp32
 (the reference), auto (the default), int8, and bf16 at the native level only (without native bf16 its
-matmuls are ~100x slower). llama.cpp runs the same GGUF greedily on the same token ids, once (its
-kernels pick their own instruction set), and is compared with each level's fp32. A level passes when
+matmuls are ~100x slower). llama.cpp runs the same GGUF greedily on the same token ids, once, in a child
+process too (its kernels pick their own instruction set), and is compared with each level's fp32. A level passes when
 the default answers at least as many questions as fp32 and agrees with fp32 on at least as many
 prompts as llama.cpp; without llama.cpp the verdict is open (None) unless the answers already fail it.
 
-quality.py runs this (`run`); `python benchmarks/answers.py JOB OUT` is one level's child process.
+quality.py runs this (`run`); `python benchmarks/answers.py JOB OUT` is a child process.
 """
 
 from __future__ import annotations
@@ -99,8 +99,13 @@ def verdict(rows: dict[str, dict]) -> dict:
 
 
 def child(job_path: Path, out_path: Path) -> None:
-    """One level's replies (this process runs at the level its environment set), every mode in turn."""
+    """A child process's replies: one level's decoderlm modes (the environment set the level) or llama.cpp's."""
     job = json.loads(job_path.read_text())
+    out_path.write_text(json.dumps(llamacpp_replies(job) if job["engine"] == LLAMA_CPP else decoderlm_replies(job)))
+
+
+def decoderlm_replies(job: dict) -> dict:
+    """Every mode's replies in turn, one model in memory at a time."""
     torch.set_num_threads(job["threads"])
     out = {"isa": isa.current(), "torch": torch.__version__, "modes": {}}
     for mode, kwargs in job["modes"].items():
@@ -109,47 +114,49 @@ def child(job_path: Path, out_path: Path) -> None:
         params = SamplingParams(temperature=0, max_new_tokens=AGREE_TOKENS, stop_token_ids=tok.eos_token_ids)
         progress = tqdm(job["prompts"].items(), desc=f"{job['level']} {mode}", unit="prompt")
         replies = {pid: generate(model, ids, params) for pid, ids in progress}
-        out["modes"][mode] = {"replies": replies, "seconds": time.perf_counter() - t0}
-        del model  # one model in memory at a time
+        out["modes"][mode] = {"replies": replies, "seconds": time.perf_counter() - t0, "tokens": sum(map(len, replies.values()))}
+        del model
         gc.collect()
-    out_path.write_text(json.dumps(out))
+    return out
 
 
-def run_level(level: str, gguf: Path, modes: dict[str, dict], ids: Replies, threads: int) -> dict:
-    """The child process's results for `level`; it imports the same decoderlm as this process."""
-    env = isa.env(level)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(decoderlm.__file__).parents[1]), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"level": level, "gguf": str(gguf), "modes": modes, "prompts": ids, "threads": threads}))
-        if subprocess.run([sys.executable, __file__, str(job), str(out)], env=env, check=False).returncode:
-            raise SystemExit(f"the {level} level's child process failed (its error is above)")
-        return json.loads(out.read_text())
-
-
-def llamacpp_replies(gguf: Path, ids: Replies, stop: list[int], threads: int) -> tuple[Replies, dict] | str:
-    """llama.cpp's greedy replies to the same ids and what it ran with, or why there are none."""
+def llamacpp_replies(job: dict) -> dict:
+    """llama.cpp's greedy replies to the same ids and what it ran with, or why there are none ("skipped")."""
     try:
         import llama_cpp
     except ImportError as e:
-        return f"llama-cpp-python is not installed or does not import ({e}); pip install llama-cpp-python"
-    n_ctx = max(map(len, ids.values())) + AGREE_TOKENS
+        return {"skipped": f"llama-cpp-python is not installed or does not import ({e}); pip install llama-cpp-python"}
+    n_ctx = max(map(len, job["prompts"].values())) + AGREE_TOKENS
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, verbose=False)
+    # logits_all: llama-cpp-python keeps no logits in `scores` without it
+    llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=n_ctx, n_batch=n_ctx, n_threads=job["threads"], logits_all=True, verbose=False)
     replies: Replies = {}
-    for pid, prompt in tqdm(ids.items(), desc=LLAMA_CPP, unit="prompt"):
+    for pid, prompt in tqdm(job["prompts"].items(), desc=LLAMA_CPP, unit="prompt"):
         llm.reset()
         llm.eval(prompt)
         reply = replies[pid] = []
         for _ in range(AGREE_TOKENS):
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # the newest position's logits
-            if token in stop:
+            if token in job["stop"]:
                 break
             reply.append(token)
             llm.eval([token])
     info = {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-            "seconds": time.perf_counter() - t0}
-    return replies, info
+            "seconds": time.perf_counter() - t0, "tokens": sum(map(len, replies.values()))}
+    return {"replies": replies, "info": info}
+
+
+def run_child(job: dict, env: dict[str, str]) -> dict:
+    """What `child` returns for `job`, run in a process with `env` and the same decoderlm as this one."""
+    env = env | {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(decoderlm.__file__).parents[1]), env.get("PYTHONPATH")) if p)}
+    # Nothing here is timed: OpenMP threads that sleep instead of spinning keep a shared CPU from slowing decoding ~20x.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        if subprocess.run([sys.executable, __file__, str(job_path), str(out)], env=env, check=False).returncode:
+            raise SystemExit(f"the {job.get('level', job['engine'])} child process failed (its error is above)")
+        return json.loads(out.read_text())
 
 
 def run(gguf: Path, levels: Sequence[str], wanted: Iterable[str], threads: int, per_kind: int | None = None) -> dict:
@@ -159,24 +166,35 @@ def run(gguf: Path, levels: Sequence[str], wanted: Iterable[str], threads: int, 
     ids = render(tok, items, model.config.max_seq_len)
     del model
     native = isa.native()
-    runs = {level: run_level(level, gguf, level_modes(level, native, wanted), ids, threads) for level in levels}
-    peer = llamacpp_replies(gguf, ids, tok.eos_token_ids, threads) if LLAMA_CPP in wanted else f"{LLAMA_CPP} not among --modes"
-    out_levels = {}
-    for level, result in runs.items():
-        reference = result["modes"][REFERENCE]["replies"]
-        rows = {mode: {"engine": "decoderlm", "load": ANSWER_MODES[mode], "seconds": r["seconds"],
-                       **score(r["replies"], reference, items, tok.decode)} for mode, r in result["modes"].items()}
-        if not isinstance(peer, str):
-            rows[LLAMA_CPP] = {"engine": LLAMA_CPP, **peer[1], **score(peer[0], reference, items, tok.decode)}
-        entry = out_levels[level] = {"isa": result["isa"], "torch": result["torch"], "modes": rows, "verdict": verdict(rows)}
-        if native in runs and level != native:  # how far fp32 itself moves between levels
-            score_native = score(reference, runs[native]["modes"][REFERENCE]["replies"], items, tok.decode)
-            entry["fp32_vs_native"] = {k: score_native[k] for k in ("agree_all32", "mean_prefix")}
+    job = {"gguf": str(gguf), "prompts": ids, "threads": threads}
+    runs = {level: run_child(job | {"engine": "decoderlm", "level": level, "modes": level_modes(level, native, wanted)}, isa.env(level))
+            for level in levels}
+    peer = (run_child(job | {"engine": LLAMA_CPP, "stop": tok.eos_token_ids}, dict(os.environ)) if LLAMA_CPP in wanted
+            else {"skipped": f"{LLAMA_CPP} not among --modes"})
+    native_fp32 = runs[native]["modes"][REFERENCE]["replies"] if native in runs else None
+    out_levels = {level: level_entry(result, peer, items, tok.decode, None if level == native else native_fp32)
+                  for level, result in runs.items()}
     questions = sum("answers" in it for it in items)
-    print_table(out_levels, len(items), questions, peer if isinstance(peer, str) else None)
+    skipped = {LLAMA_CPP: peer["skipped"]} if "skipped" in peer else {}
+    print_table(out_levels, len(items), questions, skipped.get(LLAMA_CPP))
     return {"fixture": str(FIXTURE.relative_to(FIXTURE.parents[2])), "prompts": len(items), "questions": questions,
             "per_kind": per_kind, "agree_tokens": AGREE_TOKENS, "answer_tokens": ANSWER_TOKENS, "default": DEFAULT,
-            "native_level": native, "threads": threads, "levels": out_levels, "skipped": {LLAMA_CPP: peer} if isinstance(peer, str) else {}}
+            "native_level": native, "threads": threads, "levels": out_levels, "skipped": skipped}
+
+
+def level_entry(result: dict, peer: dict, items: list[dict], decode: Callable[[list[int]], str], native_fp32: Replies | None) -> dict:
+    """A level's rows (mode → its score against this level's fp32, llama.cpp's too when it ran) and verdict;
+    with the native level's fp32 replies, how far this level's fp32 is from them."""
+    reference = result["modes"][REFERENCE]["replies"]
+    rows = {mode: {"engine": "decoderlm", "load": ANSWER_MODES[mode], "seconds": r["seconds"], "tokens": r["tokens"],
+                   **score(r["replies"], reference, items, decode)} for mode, r in result["modes"].items()}
+    if "replies" in peer:
+        rows[LLAMA_CPP] = {"engine": LLAMA_CPP, **peer["info"], **score(peer["replies"], reference, items, decode)}
+    entry = {"isa": result["isa"], "torch": result["torch"], "modes": rows, "verdict": verdict(rows)}
+    if native_fp32 is not None:
+        moved = score(reference, native_fp32, items, decode)
+        entry["fp32_vs_native"] = {k: moved[k] for k in ("agree_all32", "mean_prefix")}
+    return entry
 
 
 def print_table(levels: dict[str, dict], n_prompts: int, n_questions: int, skipped: str | None) -> None:
