@@ -11,10 +11,11 @@ tokens. Per level and mode:
   appears, case-insensitive and as a whole word ("10" is not in "100"), in its first ANSWER_TOKENS tokens.
 Each level of `decoderlm.isa.supported()` runs in a child process of its own (`isa.env(level)`): fp32
 (the reference), auto (the default), int8, and bf16 at the native level only (without native bf16 its
-matmuls are ~100x slower). llama.cpp runs the same GGUF greedily on the same token ids, once, in a child
-process too (its kernels pick their own instruction set), and is compared with each level's fp32. A level passes when
-the default answers at least as many questions as fp32 and agrees with fp32 on at least as many
-prompts as llama.cpp; without llama.cpp the verdict is open (None) unless the answers already fail it.
+matmuls are ~100x slower). llama.cpp runs the same GGUF greedily on the same token ids, once, in a
+child process too (its kernels pick their own instruction set), and is compared with each level's fp32.
+A level passes when the default answers at least as many questions as fp32 and agrees with fp32 on at
+least as many prompts as llama.cpp; without llama.cpp the verdict is open (None) unless the answers
+already fail it.
 
 quality.py runs this (`run`); `python benchmarks/answers.py JOB OUT` is a child process.
 """
