@@ -1,17 +1,25 @@
-"""Quality guard: how far each way of running the model moves its predictions from the float32 path.
+"""Quality guard: how far each way of running the model moves its predictions, and its answers, from the float32 path.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF); its float32 path is the exact
 dequantization of the file's weights, so it is the reference every faster mode is measured against.
-Two real texts are scored teacher-forced (every position predicts the next token from the true
-tokens before it, in one forward): a fixed slice of tiny Shakespeare and a multi-turn chat
+
+Perplexity: two real texts are scored teacher-forced (every position predicts the next token from the
+true tokens before it, in one forward): a fixed slice of tiny Shakespeare and a multi-turn chat
 (benchmarks/fixtures/chat.json) rendered with the model's own chat template. Per mode and text:
 perplexity, its change against float32, and top-1 agreement (the share of positions whose most
 likely next token is float32's). llama.cpp (llama-cpp-python, optional) runs the same GGUF's
 blocks as they are, on the same token ids, as a peer. A mode is "faithful" when its perplexity is
 within 1 % of float32's on every text.
 
-    python benchmarks/quality.py [--positions 512] [--modes fp32 bf16 ...] [--threads N] [--quick]
+Answers (benchmarks/answers.py): greedy chat replies to the prompts of benchmarks/fixtures/answers.json
+at every CPU dispatch level this machine runs, each level in a child process: agreement with float32
+at that level, correct answers to the questions among them, llama.cpp beside them, and a verdict per
+level on the default mode.
 
+    python benchmarks/quality.py [--positions 512] [--modes fp32 bf16 ...] [--threads N] [--quick]
+                                 [--levels default avx2 avx512] [--per-kind N] [--answers-only | --skip-answers]
+
+--answers-only / --skip-answers run one part and keep the other's earlier results in --out.
 --quick runs a tiny random model written on the spot in the embedded model's layout (Q8_0
 embeddings, Q4_1 matrices, a byte-level tokenizer with a chat template), to test this script.
 """
@@ -33,11 +41,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoderlm import Transformer, load
+from decoderlm import Transformer, isa, load
 from decoderlm.names import DEFAULT_MODEL, locate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from modes import MODES, REFERENCE  # a sibling file: benchmarks/ is not a package
+import answers  # sibling files: benchmarks/ is not a package
+from modes import MODES, REFERENCE
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "quality.json"
@@ -176,12 +185,61 @@ def print_table(title: str, rows: dict[str, dict], names: list[str]) -> None:
         print(f"{mode:<12}{cells}{'yes' if row['faithful'] else 'no':>10}")
 
 
+def perplexity_part(args: argparse.Namespace, gguf: Path, wanted: list[str], model: str) -> dict:
+    """Every mode's teacher-forced scores against fp32's, printed as a table; the results file's part for them."""
+    modes = [REFERENCE, *(m for m in MODES if m in wanted and m != REFERENCE)]
+    # The reference is its own load and forward, so fp32's row (100 % agreement) checks that runs repeat exactly.
+    reference_model, tokenizer = load(gguf, **MODES[REFERENCE])
+    inputs = texts(tokenizer, args.shakespeare, args.positions)
+    reference = predictions(reference_model, inputs)
+    del reference_model
+    preds, seconds, rows, skipped = {}, {}, {}, {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        preds[mode] = mode_predictions(gguf, MODES[mode], inputs)
+        seconds[mode] = time.perf_counter() - t0
+    if LLAMA_CPP in wanted:
+        t0 = time.perf_counter()
+        result = llamacpp_predictions(gguf, inputs, args.threads)
+        if isinstance(result, str):
+            skipped[LLAMA_CPP] = result
+            print(f"{LLAMA_CPP}: skipped, {result}")
+        else:
+            preds[LLAMA_CPP], seconds[LLAMA_CPP] = result, time.perf_counter() - t0
+    for mode, pred in preds.items():
+        per_text = {name: compare(pred[name], reference[name]) for name in inputs}
+        rows[mode] = {"engine": LLAMA_CPP if mode == LLAMA_CPP else "decoderlm", "load": MODES.get(mode), "seconds": seconds[mode],
+                      "texts": per_text, "faithful": all(abs(r["perplexity_change"]) <= FAITHFUL for r in per_text.values())}
+    print_table(f"{model}: {args.positions} teacher-forced positions per text, against decoderlm {REFERENCE}; "
+                f"faithful = perplexity within {FAITHFUL:.0%} on every text", rows, list(inputs))
+    return {"positions": args.positions, "reference": REFERENCE, "faithful_within": FAITHFUL, "threads": args.threads,
+            "texts": {"shakespeare": f"tiny Shakespeare, characters {SHAKESPEARE_CHARS.start}-{SHAKESPEARE_CHARS.stop}",
+                      "chat": f"{CHAT.relative_to(HERE.parent)}, rendered with the model's chat template"},
+            "modes": rows, "skipped": skipped}
+
+
+def merged(out: Path, results: dict) -> dict:
+    """`results` over the file's earlier ones for the same model: a run of one part keeps the other."""
+    try:
+        earlier = json.loads(out.read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    return (earlier if earlier.get("model") == results["model"] else {}) | results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=512, help="teacher-forced positions scored per text (≥ 512 for the README)")
-    ap.add_argument("--modes", nargs="*", default=None, help=f"subset of: {', '.join(MODES)}, {LLAMA_CPP} (default: all; {REFERENCE} always runs)")
+    ap.add_argument("--modes", nargs="*", default=None, help=f"subset of: {', '.join(MODES)}, {LLAMA_CPP} (default: all; {REFERENCE} "
+                    f"always runs, and {answers.DEFAULT} in the answers part)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
     ap.add_argument("--shakespeare", type=Path, default=SHAKESPEARE, help="tiny Shakespeare's text")
+    ap.add_argument("--levels", nargs="+", choices=isa.LEVELS, default=None, help="CPU dispatch levels of the answers part "
+                    f"(default: every one this CPU runs: {', '.join(isa.supported())})")
+    ap.add_argument("--per-kind", type=int, default=None, help="answers part: at most N prompts of each kind (default: all)")
+    part = ap.add_mutually_exclusive_group()
+    part.add_argument("--answers-only", action="store_true", help="skip the perplexity part (--out keeps its earlier one)")
+    part.add_argument("--skip-answers", action="store_true", help="skip the answers part (--out keeps its earlier one)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     ap.add_argument("--quick", action="store_true", help="a tiny random model instead of the embedded one (tests this script)")
     args = ap.parse_args(argv)
@@ -190,44 +248,20 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in wanted if m not in MODES and m != LLAMA_CPP]
     if unknown:
         raise SystemExit(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}, {LLAMA_CPP}")
-    modes = [REFERENCE, *(m for m in MODES if m in wanted and m != REFERENCE)]
+    levels = args.levels or isa.supported()
+    if set(levels) - set(isa.supported()):
+        raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
 
+    model = "tiny random model (--quick)" if args.quick else DEFAULT_MODEL
+    results = {"model": model, "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         gguf = tiny_gguf(Path(tmp) / "tiny.gguf") if args.quick else locate(DEFAULT_MODEL)
-        # The reference is its own load and forward, so fp32's row (100 % agreement) checks that runs repeat exactly.
-        model, tokenizer = load(gguf, **MODES[REFERENCE])
-        inputs = texts(tokenizer, args.shakespeare, args.positions)
-        reference = predictions(model, inputs)
-        del model
-        preds, seconds, rows, skipped = {}, {}, {}, {}
-        for mode in modes:
-            t0 = time.perf_counter()
-            preds[mode] = mode_predictions(gguf, MODES[mode], inputs)
-            seconds[mode] = time.perf_counter() - t0
-        if LLAMA_CPP in wanted:
-            t0 = time.perf_counter()
-            result = llamacpp_predictions(gguf, inputs, args.threads)
-            if isinstance(result, str):
-                skipped[LLAMA_CPP] = result
-                print(f"{LLAMA_CPP}: skipped, {result}")
-            else:
-                preds[LLAMA_CPP], seconds[LLAMA_CPP] = result, time.perf_counter() - t0
-
-    for mode, pred in preds.items():
-        per_text = {name: compare(pred[name], reference[name]) for name in inputs}
-        rows[mode] = {"engine": LLAMA_CPP if mode == LLAMA_CPP else "decoderlm", "load": MODES.get(mode), "seconds": seconds[mode],
-                      "texts": per_text, "faithful": all(abs(r["perplexity_change"]) <= FAITHFUL for r in per_text.values())}
-    model = "tiny random model (--quick)" if args.quick else DEFAULT_MODEL
-    print_table(f"{model}: {args.positions} teacher-forced positions per text, against decoderlm {REFERENCE}; "
-                f"faithful = perplexity within {FAITHFUL:.0%} on every text", rows, list(inputs))
+        if not args.answers_only:
+            results |= perplexity_part(args, gguf, wanted, model)
+        if not args.skip_answers:
+            results["answers"] = answers.run(gguf, levels, wanted, args.threads, args.per_kind)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "model": model, "positions": args.positions, "reference": REFERENCE, "faithful_within": FAITHFUL,
-        "threads": args.threads, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "texts": {"shakespeare": f"tiny Shakespeare, characters {SHAKESPEARE_CHARS.start}-{SHAKESPEARE_CHARS.stop}",
-                  "chat": f"{CHAT.relative_to(HERE.parent)}, rendered with the model's chat template"},
-        "modes": rows, "skipped": skipped,
-    }, indent=2) + "\n")
+    args.out.write_text(json.dumps(merged(args.out, results), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 
 

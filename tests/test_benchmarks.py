@@ -1,5 +1,5 @@
-"""The measuring tools of benchmarks/: the quality guard end to end on a tiny random model, and the mode
-table that quality.py and generate_speed.py share."""
+"""The measuring tools of benchmarks/: the quality guard (perplexity and answers) end to end on a tiny random
+model, its scoring and verdict, and the mode table that quality.py and generate_speed.py share."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from decoderlm import load
+from decoderlm import isa, load
 from decoderlm.cli import build_parser
 from decoderlm.perplexity import perplexity
 from decoderlm.quantize import MODES as QUANTIZE_MODES
@@ -36,8 +36,9 @@ def quality_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     text = tmp / "shakespeare.txt"
     text.write_text(corpus_text(8000), encoding="utf-8")
     out = tmp / "quality.json"
-    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick", "--positions", str(POSITIONS), "--shakespeare", str(text),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick", "--skip-answers", "--positions", str(POSITIONS),
+                           "--shakespeare", str(text), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "top-1 agree" in proc.stdout
     return json.loads(out.read_text()), text
@@ -93,6 +94,90 @@ def test_llama_cpp_is_a_column_agreeing_with_our_q4_1(quality_run: tuple[dict, P
 def test_a_missing_llama_cpp_is_a_note_not_a_column(quality_run: tuple[dict, Path]) -> None:
     result, _ = quality_run
     assert "not installed" in result["skipped"]["llama.cpp"] and "llama.cpp" not in result["modes"]
+
+
+ANSWER_LEVELS = tuple(dict.fromkeys(("default", isa.native())))  # the lowest level and this CPU's own
+
+
+@pytest.fixture(scope="module")
+def answers_run(quality_run: tuple[dict, Path]) -> dict:
+    """The answers part alone, one prompt per kind, into the perplexity run's file (which keeps its part)."""
+    out = quality_run[1].parent / "quality.json"
+    proc = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick", "--answers-only", "--per-kind", "1", "--modes", "fp32",
+                           "llama.cpp", "--levels", *ANSWER_LEVELS, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| level | mode | agree 32/32 |" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_answers_are_scored_per_level_in_a_child_process_at_that_level(answers_run: dict) -> None:
+    answers = benchmark("answers")
+    part, items = answers_run["answers"], answers.prompts(1)
+    questions = {it["id"] for it in items if "answers" in it}
+    assert answers_run["modes"]["fp32"]["faithful"]  # the perplexity part is kept
+    assert (part["prompts"], part["questions"], part["agree_tokens"]) == (len(items), len(questions), 32)
+    assert tuple(part["levels"]) == ANSWER_LEVELS
+    for level, entry in part["levels"].items():
+        assert entry["isa"] == level and entry["torch"]
+        rows = entry["modes"]
+        assert {"fp32", "auto"} <= set(rows) and "int8" not in rows and "bf16" not in rows  # --modes fp32 llama.cpp
+        assert rows["fp32"]["agree_all32"] == len(items) and rows["fp32"]["mean_prefix"] == 32
+        for row in rows.values():
+            assert 0 <= row["agree_all32"] <= len(items) and 0 <= row["mean_prefix"] <= 32
+            assert set(row["wrong"]) <= questions and row["correct"] == len(questions) - len(row["wrong"])
+        assert entry["verdict"] == answers.verdict(rows)
+        assert ("fp32_vs_native" in entry) == (level != isa.native())
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert "not installed" in part["skipped"]["llama.cpp"]
+        assert all(entry["verdict"]["agrees_as_llama_cpp"] is None for entry in part["levels"].values())
+        return
+    for entry in part["levels"].values():  # same weights, same ids: replies that start alike (none did when its logits were misread)
+        assert entry["modes"]["llama.cpp"]["mean_prefix"] >= 1 and entry["verdict"]["agrees_as_llama_cpp"] is not None
+
+
+def test_the_verdict_needs_the_defaults_answers_and_its_agreement_against_llama_cpp() -> None:
+    verdict = benchmark("answers").verdict
+
+    def rows(fp32_correct: int, auto_correct: int, auto_agree: int, peer_agree: int | None) -> dict:
+        out = {"fp32": {"correct": fp32_correct, "agree_all32": 60}, "auto": {"correct": auto_correct, "agree_all32": auto_agree}}
+        return out | ({} if peer_agree is None else {"llama.cpp": {"correct": 0, "agree_all32": peer_agree}})
+
+    assert verdict(rows(20, 20, 40, 40)) == {"pass": True, "answers_as_fp32": True, "agrees_as_llama_cpp": True}
+    assert verdict(rows(20, 21, 41, 40))["pass"] is True
+    assert verdict(rows(20, 19, 60, 40)) == {"pass": False, "answers_as_fp32": False, "agrees_as_llama_cpp": True}
+    assert verdict(rows(20, 20, 39, 40)) == {"pass": False, "answers_as_fp32": True, "agrees_as_llama_cpp": False}
+    assert verdict(rows(20, 20, 39, None)) == {"pass": None, "answers_as_fp32": True, "agrees_as_llama_cpp": None}
+    assert verdict(rows(20, 19, 39, None))["pass"] is False  # the answers alone fail it
+
+
+def test_replies_agree_token_by_token_and_answers_match_whole_words() -> None:
+    answers = benchmark("answers")
+    assert answers.agreeing_prefix([1, 2, 3], [1, 2, 3]) == 32  # the same reply, the same stop
+    assert answers.agreeing_prefix([1, 2], [1, 2, 3]) == 2  # one stopped where the other went on
+    assert answers.agreeing_prefix([1, 5, 3], [1, 2, 3]) == 1 and answers.agreeing_prefix([], [4]) == 0
+    assert answers.is_correct("The capital of France is Paris.", ["Paris"]) and answers.is_correct("PARIS!", ["paris"])
+    assert not answers.is_correct("L'Étoile, la Marseillaise", ["Paris"])
+    assert not answers.is_correct("It is 100.", ["10", "ten"]) and answers.is_correct("It is 10.", ["10", "ten"])
+    assert answers.is_correct("Plants take in CO2.", ["carbon dioxide", "CO2"])
+    items = [{"id": "q", "kind": "k", "prompt": "", "answers": ["b"]}, {"id": "o", "kind": "k", "prompt": ""}]
+    scored = answers.score({"q": [ord("a")], "o": [1, 2]}, {"q": [ord("b")], "o": [1, 2]}, items, lambda ids: "".join(map(chr, ids)))
+    assert scored == {"agree_all32": 1, "mean_prefix": 16.0, "correct": 0, "wrong": {"q": "a"}}
+
+
+def test_the_answer_fixture_has_varied_prompts_and_enough_questions() -> None:
+    answers = benchmark("answers")
+    items = answers.prompts()
+    questions = [it for it in items if "answers" in it]
+    assert len(items) >= 50 and len(questions) >= 30 and len({it["id"] for it in items}) == len(items)
+    assert len({it["kind"] for it in items}) >= 10
+    assert {"id": "capital-france", "kind": "capital", "prompt": "What is the capital of France?", "answers": ["Paris"]} in items
+    few = answers.prompts(3)
+    assert all(sum(it["kind"] == kind for it in few) == 3 for kind in {it["kind"] for it in items})
+    assert set(answers.level_modes("avx512", "avx512", {"int8", "bf16"})) == {"fp32", "auto", "int8", "bf16"}
+    assert set(answers.level_modes("avx2", "avx512", {"int8", "bf16"})) == {"fp32", "auto", "int8"}  # bf16: native only
 
 
 def test_the_mode_table_covers_every_quantization_and_its_flags_load_the_same_mode() -> None:
