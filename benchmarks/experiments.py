@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from decoderlm import isa
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TARGET = 1.70  # issue 11: seed-char-llama's val loss at 2000 steps
 SEED = 1337  # the seed of experiments 1-4 (the training commands' default, passed explicitly)
@@ -166,7 +168,7 @@ def save(runs: list[dict[str, Any]], steps: int, args: argparse.Namespace, resul
         "data": args.data,
         "llama_target_val_loss": LLAMA_TARGET, "llama_meets_target": llama["val_loss"] <= LLAMA_TARGET,
         "runs": runs,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": isa.describe() | {"platform": platform.platform(), "python": platform.python_version()},
     }
     (results_dir / "experiments.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -42,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from decoderlm import isa
 from decoderlm.generate import decode_step, prefill
 from decoderlm.kv_cache import KVCache
 from decoderlm.loader import load
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": f"decoderlm train --preset seed-char --max-steps {steps} --seed SEED [--scheduled-sampling {args.p:g}]",
         "data": args.data, "steps": steps, "quick": args.quick, "definition": "\n\n".join(__doc__.split("\n\n")[1:4]), "rows": rows,
         "mean": summarize(rows),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads},
+        "machine": isa.describe() | {"platform": platform.platform(), "threads": args.threads},
     }
     (results / "exposure_bias.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from decoderlm import isa
 from decoderlm import SamplingParams, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
@@ -348,7 +348,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": DEFAULT_MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "threads": args.threads, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "threads": args.threads, "machine": isa.describe(), "torch": torch.__version__,
         "greedy_reference": reference, "engines": rows, "faithful": faithful, "fastest_faithful": fastest, "cold_start": cold_rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")

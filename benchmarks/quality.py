@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -253,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
 
     model = "tiny random model (--quick)" if args.quick else DEFAULT_MODEL
-    results = {"model": model, "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+    results = {"model": model, "machine": isa.describe(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         gguf = tiny_gguf(Path(tmp) / "tiny.gguf") if args.quick else locate(DEFAULT_MODEL)
         if not args.answers_only:

@@ -26,9 +26,11 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
     python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--streams 1,4,8,16] [--threads N]
-        [--repeats 3] [--model NAME_OR_PATH] [--out JSON]
+        [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--out JSON]
 
-Writes benchmarks/results/serve_throughput.json (or --out) and prints a table.
+`--isa avx2` runs decoderlm's servers as an AVX2 machine would (`decoderlm.isa.env`) on a CPU with more.
+Writes benchmarks/results/serve_throughput.json (serve_throughput_avx2.json for --isa avx2; or --out) and
+prints a table. The JSON records the CPU and the level decoderlm ran at.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -50,6 +51,7 @@ from typing import Callable
 
 import httpx
 
+from decoderlm import isa
 from decoderlm.names import DEFAULT_MODEL, locate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +124,8 @@ def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = 
     cmd += ["--quantize", quantize] if quantize else []
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    return subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = os.environ if args.isa == "native" else isa.env(args.isa)
+    return subprocess.Popen(cmd, cwd=REPO, env=env | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def start_llama(args: argparse.Namespace, port: int) -> subprocess.Popen:
@@ -226,11 +229,16 @@ def main() -> None:
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
+    p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
+                   help="the CPU level decoderlm's servers run at (llama-server runs as built)")
+    p.add_argument("--out", type=Path, default=None, help="the JSON to write (default: results/serve_throughput[_ISA].json)")
     args = p.parse_args()
+    if args.isa != "native" and args.isa not in isa.supported():
+        raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
+    args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     servers = {"decoderlm auto": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
     servers |= {"llama-server": start_llama} if args.llama_server else {}
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
+    meta = {"machine": isa.describe(), "decoderlm_isa": isa.native() if args.isa == "native" else args.isa, "threads": args.threads,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "model": args.model,
             "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None,
             "schedule": "interleaved level by level: for each level, each repeat runs every server in turn (run_order)"}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from decoderlm import isa
 from decoderlm import SamplingParams, Transformer, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.speculative import DraftModel, PromptLookup, SpeculativeStats, speculative_stream
@@ -144,7 +144,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": DEFAULT_MODEL, "target_dtype": "float32", "new_tokens": args.new_tokens, "k": args.k, "repeats": args.repeats,
-        "threads": args.threads, "draft_layers": args.draft_layers, "machine": platform.processor() or platform.machine(),
+        "threads": args.threads, "draft_layers": args.draft_layers, "machine": isa.describe(),
         "torch": torch.__version__, "load_average_1m_at_end": os.getloadavg()[0], "rows": rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from decoderlm import isa
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "train_seed_char.json"
 PLOT = ROOT / "docs" / "loss_seed_char.png"
@@ -77,7 +79,7 @@ def main() -> None:
         "stdev_val_loss": round(statistics.stdev(losses), 4) if len(losses) > 1 else None,
         "seeds_at_or_below_target": sum(v <= TARGET for v in losses),
         "runs": runs,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "machine": isa.describe() | {"platform": platform.platform(),
                     "torch_threads": int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))},
     }
     RESULTS.parent.mkdir(exist_ok=True)

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from decoderlm import isa
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "train_vs_nanogpt.json"
@@ -186,7 +186,7 @@ def main() -> None:
         "full_2000_steps": None if full is None else {e: {
             "wall_s": round(f["wall"], 1), f"train_loss_last_{LAST}": round(f["train_loss_last"], 4),
             "val_loss": f["val_loss"] and round(f["val_loss"], 4)} for e, f in full.items()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "machine": isa.describe() | {"platform": platform.platform(),
                     "load_average_at_end": os.getloadavg()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,24 @@ def native() -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def describe() -> dict[str, object]:
+    """The machine facts a benchmark's JSON records: CPU model, cores, the level torch runs at and the native one."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    extras = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"))
+    return {"cpu": model, "cpus": os.cpu_count(), "isa": current(), "native_isa": native(), "flags": extras,
+            "torch": torch.__version__}
+
+
 def env(level: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of `base` (default: os.environ) that makes a child process run at `level`."""
     if level not in LEVELS:

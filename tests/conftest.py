@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,7 +19,9 @@ from decoderlm.model import Transformer
 
 # Compiled decode steps built by the tests go to a fresh folder, and none built by the user's own runs
 # (~/.cache/decoderlm, which chat and generate use by default) can change what a test decodes.
+# The folder goes when the session ends (child pytest processes make and remove their own).
 os.environ["DECODERLM_CACHE"] = tempfile.mkdtemp(prefix="decoderlm-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DECODERLM_CACHE"], ignore_errors=True)
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
