@@ -66,8 +66,12 @@ def render(tok, items: list[dict], context: int) -> Replies:
 
 
 def level_modes(level: str, native: str, wanted: Iterable[str]) -> dict[str, dict]:
-    """The modes run at `level` (name → load keyword arguments): fp32 and the default always, bf16 only at the native level."""
-    return {m: kw for m, kw in ANSWER_MODES.items() if (m in wanted or m in (REFERENCE, DEFAULT)) and (m != NATIVE_ONLY or level == native)}
+    """The modes run at `level` (name → load keyword arguments): fp32 and the default always, bf16 only at
+    the native level, int8 not at the plain one (its packed kernel is scalar there, ~0.7 tok/s, and the
+    default there is float: `quantize.kernels_vectorized`)."""
+    skip = {NATIVE_ONLY} if level != native else set()
+    skip |= {"int8"} if level == "default" else set()
+    return {m: kw for m, kw in ANSWER_MODES.items() if (m in wanted or m in (REFERENCE, DEFAULT)) and m not in skip}
 
 
 def agreeing_prefix(reply: list[int], reference: list[int]) -> int:

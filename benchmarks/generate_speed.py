@@ -16,6 +16,11 @@ shows there instead of in every run. Each mode's memory is then accounted stage 
 GGUF header, tokenizer, weights, fusing, KV cache, first forward): each stage's peak and what it leaves.
 
     python benchmarks/generate_speed.py [--repeats 5] [--new-tokens 128] [--prompt-tokens 128] [--threads N] [--cold-runs 3]
+        [--isa native|avx2|avx512|default]
+
+`--isa avx2` measures as an AVX2 machine would (`decoderlm.isa.env`: torch's kernels, oneDNN and MKL held
+to AVX2, in this process and every one it starts) and writes generate_speed_avx2.json; llama.cpp keeps
+the instruction set it was built for, which the JSON's machine entry does not change.
 
 --repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass. Run benchmarks/quality.py first:
 its results mark which modes are faithful (perplexity within 1 % of fp32), and the fastest of those
@@ -325,10 +330,17 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--cold-runs", type=int, default=3, help="cold-start runs per engine (0: skip the cold-start pass)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/generate_speed[_ISA].json)")
     all_engines = [*DECODERLM, *TRANSFORMERS, "llama.cpp"]
     ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(all_engines)}")
+    ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
+                    help="the CPU level the torch engines run at, as on a CPU that has no more (llama.cpp runs as built)")
     args = ap.parse_args()
+    if args.isa != "native" and args.isa != isa.current():  # torch reads its level once: run again under it
+        if args.isa not in isa.supported():
+            raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
+        os.execve(sys.executable, [sys.executable, *sys.argv], isa.env(args.isa))
+    args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     names = args.engines if args.engines is not None else all_engines
     unknown = [n for n in names if n not in all_engines]
     if unknown:

@@ -246,6 +246,18 @@ def dense_dtype() -> torch.dtype:
     return COMPUTE if isa.current() == "avx512" and torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
+@cache
+def kernels_vectorized() -> bool:
+    """Whether torch's packed int4 kernel (which int4 and int8 layers run on) is vectorized here. On an
+    x86-64 CPU below AVX2 (ATen's "default" level) it is scalar code, far slower than fp32's BLAS, so
+    `--quantize auto` keeps such a machine on the float path."""
+    import platform
+
+    from decoderlm import isa
+
+    return not (platform.machine() in ("x86_64", "AMD64") and isa.current() == "default")
+
+
 DENSE_TOKENS = 64  # from this many tokens per sequence in one forward (a prefill) packed layers multiply densely
 EXACT_TOP = 32  # the LM head rescores this many best candidates of each row exactly in fp32 (OpenAI logprobs go to 20)
 

@@ -178,6 +178,7 @@ def test_the_answer_fixture_has_varied_prompts_and_enough_questions() -> None:
     assert all(sum(it["kind"] == kind for it in few) == 3 for kind in {it["kind"] for it in items})
     assert set(answers.level_modes("avx512", "avx512", {"int8", "bf16"})) == {"fp32", "auto", "int8", "bf16"}
     assert set(answers.level_modes("avx2", "avx512", {"int8", "bf16"})) == {"fp32", "auto", "int8"}  # bf16: native only
+    assert set(answers.level_modes("default", "avx512", {"int8", "bf16"})) == {"fp32", "auto"}  # int8: scalar kernel there
 
 
 def test_the_mode_table_covers_every_quantization_and_its_flags_load_the_same_mode() -> None:

@@ -1,9 +1,10 @@
 """`--quantize auto`, the default of chat / generate / serve: a quantized GGUF runs on its own blocks
-(Q4_0/Q4_1 as int4, Q8_0 and K-quants as int8), a float model stays float; `--quantize none` is the
-float reference path."""
+(Q4_0/Q4_1 as int4, Q8_0 and K-quants as int8), a float model stays float, and so does every model on
+an x86 CPU below AVX2, whose packed kernels are scalar; `--quantize none` is the float reference path."""
 
 from __future__ import annotations
 
+import platform
 from types import SimpleNamespace
 
 import pytest
@@ -14,15 +15,17 @@ from hf_models import make_hf_model
 from test_gguf import hf_model, tokenizer_meta, write_model
 from torch import nn
 
+from decoderlm import isa
 from decoderlm.formats.gguf import native_mode
 from decoderlm.generate import generate
 from decoderlm.loader import load
-from decoderlm.quantize import Int4Linear, Int8GroupLinear
+from decoderlm.quantize import Int4Linear, Int8GroupLinear, kernels_vectorized
 from decoderlm.sampling import SamplingParams
 
 pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
 
 CPU = torch.device("cpu")
+PACKED = kernels_vectorized()  # False at the plain x86-64 level: auto is float there
 
 
 def linear_kinds(model: nn.Module) -> set[type]:
@@ -44,6 +47,8 @@ def gguf_files(tmp_path_factory):
                                              (Q.Q8_0, "int8", Int8GroupLinear), (Q.F16, None, nn.Linear)])
 def test_auto_keeps_the_files_own_precision(gguf_files, qtype, mode, kind):
     path = gguf_files / f"{qtype.name}.gguf"
+    if not PACKED:
+        mode, kind = None, nn.Linear
     auto, _ = load(path, quantize="auto")
     explicit, _ = load(path, quantize=mode)
     assert linear_kinds(auto) == {kind}
@@ -59,7 +64,15 @@ def tensor(name: str, qtype: Q, shape: tuple[int, ...]) -> SimpleNamespace:
     return SimpleNamespace(name=name, tensor_type=qtype, shape=shape, n_elements=n)
 
 
-def test_native_mode_follows_the_layers_bulk():
+def test_packed_kernels_count_as_vectorized_except_on_plain_x86():
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    assert kernels_vectorized() == (not x86 or isa.current() != "default")
+
+
+def test_native_mode_follows_the_layers_bulk(monkeypatch):
+    import decoderlm.formats.gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "kernels_vectorized", lambda: True)  # as on AVX2 and above
     mixed = [tensor("token_embd.weight", Q.Q8_0, (576, 49152)), tensor("blk.0.attn_q.weight", Q.Q4_1, (576, 576)),
              tensor("blk.0.ffn_down.weight", Q.Q6_K, (1536, 576)), tensor("blk.0.ffn_up.weight", Q.Q4_1, (576, 1536)),
              tensor("blk.0.attn_norm.weight", Q.F32, (576,))]
@@ -68,6 +81,15 @@ def test_native_mode_follows_the_layers_bulk():
     assert native_mode([tensor("blk.0.ffn_up.weight", Q.Q6_K, (256, 512))], CPU) == "int8"
     assert native_mode([tensor("blk.0.ffn_up.weight", Q.BF16, (256, 512))], CPU) is None
     assert native_mode(mixed, torch.device("cuda")) is None  # the packed kernels are CPU kernels
+
+
+def test_auto_is_float_on_plain_x86(monkeypatch):
+    """At ATen's plain level torch's int4 kernel is scalar (the embedded model decodes ~1 token/s with it
+    here against fp32's ~14), so auto keeps every file float there."""
+    import decoderlm.formats.gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "kernels_vectorized", lambda: False)
+    assert native_mode([tensor("blk.0.ffn_up.weight", Q.Q4_1, (256, 512))], CPU) is None
 
 
 def test_none_is_the_float_path(gguf_files):
@@ -98,7 +120,7 @@ def test_cli_default_is_auto_and_none_is_float(gguf_files, capsys):
                                   "--max-new-tokens", "12", *flags], capsys)
         assert code == 0, err
         outs[" ".join(flags)] = out
-    assert outs[""] == outs["--quantize auto"] == outs["--quantize int4"]
+    assert outs[""] == outs["--quantize auto"] == outs["--quantize int4" if PACKED else "--quantize none"]
     float_model, tok = load(path)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=tok.eos_token_ids)
     assert outs["--quantize none"] == "abc" + tok.decode(generate(float_model, tok.encode("abc"), params)) + "\n"

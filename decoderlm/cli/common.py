@@ -73,7 +73,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 QUANTIZE_HELP = {
     "auto": "a quantized GGUF runs on its own blocks (Q4_0/Q4_1: int4, Q8_0 and K-quants: int8), the fastest mode "
-            "within 1%% of float32's perplexity; other models run in --dtype",
+            "within 1%% of float32's perplexity; other models (and any on an x86 CPU without AVX2, "
+            "where the packed kernels are scalar) run in --dtype",
     "none": "weights in --dtype (a quantized GGUF dequantized exactly): the reference path, slowest",
 }
 

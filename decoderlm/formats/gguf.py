@@ -37,7 +37,7 @@ from decoderlm.formats import TensorByTensor
 from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies
-from decoderlm.quantize import Blocks
+from decoderlm.quantize import Blocks, kernels_vectorized
 from decoderlm.tokenizer.bpe import HFTokenizer
 
 Q = GGMLQuantizationType
@@ -106,12 +106,12 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
 
 def native_mode(tensors: list[ReaderTensor], device: torch.device) -> str | None:
     """The mode (NATIVE_MODES) of the type that holds most of the layers' matrix weights; None (float)
-    for a float file or off the CPU, where the quantized kernels are not fast."""
+    for a float file, off the CPU, or on an x86-64 CPU without AVX2: where the quantized kernels are not fast."""
     sizes = Counter()
     for t in tensors:
         if t.name.startswith("blk.") and len(t.shape) >= 2:
             sizes[t.tensor_type] += int(t.n_elements)
-    if device.type != "cpu" or not sizes:
+    if device.type != "cpu" or not sizes or not kernels_vectorized():
         return None
     return NATIVE_MODES.get(sizes.most_common(1)[0][0])
 
