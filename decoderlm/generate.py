@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import Cache, cache_for
+from decoderlm.kv_cache import cache_for
 from decoderlm.model import Transformer
+from decoderlm.model.cache import Cache
 from decoderlm.sampling import SamplingParams, sample
 
 
