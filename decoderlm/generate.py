@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import Cache, cache_for
+from decoderlm.kv_cache import cache_for
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams, sample
+from decoderlm.model.cache import Cache
+from decoderlm.sampling import SamplingParams, finish_reason, sample
 
 
 def prefill(model: Transformer, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
@@ -64,7 +65,6 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
     ids = list(prompt_ids)
     seen = torch.tensor([ids], device=param.device) if params.penalized else None
     generator = params.generator(param.device)
-    stop = set(params.stop_token_ids)
     if not params.max_new_tokens:
         return
     # Slots: the prompt, plus one per sampled token but the last (it needs no forward pass).
@@ -78,12 +78,13 @@ def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -
     for n in range(params.max_new_tokens):
         token = sample(logits, params, generator, seen, len(prompt_ids))  # (1,)
         tok = int(token)
-        if tok in stop:
+        reason = finish_reason(tok, n + 1, params)
+        if reason == "stop":
             return
         yield tok
-        ids.append(tok)
-        if n + 1 == params.max_new_tokens:
+        if reason == "length":
             return
+        ids.append(tok)
         if seen is not None:
             seen = torch.cat((seen, token[:, None]), dim=1)
         if cache is not None and cache.length < max_len:

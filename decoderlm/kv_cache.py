@@ -11,27 +11,11 @@ engine's paged cache implements the same contract for rows of different lengths.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import aligned, build_mask, causal_mask, default_positions
-
-
-class Cache(Protocol):
-    def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """Positions (B or 1, T) of the T tokens this forward adds."""
-
-    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """Additive mask (B, 1, T, L) over the L keys `update` returns, or None for plain causal attention."""
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new k, v (B, Hkv, T, D); return the keys/values the new queries attend over (B, Hkv, L, D)."""
-
-    def advance(self, n: int) -> None:
-        """The forward is done: the n new tokens are now part of the cached context."""
+from decoderlm.model.cache import aligned, build_mask, causal_mask, default_positions
 
 
 class KVCache:

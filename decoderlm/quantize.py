@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.moe import MoE
 
 MODES = ("int8", "int4")
 GROUP = 32  # int4 and the int8 embedding: one scale (and zero point) per 32 inputs, like llama.cpp's blocks
@@ -474,9 +473,8 @@ def layer_mode(name: str, mode: str) -> str:
 
 
 def targets(model: nn.Module) -> set[str]:
-    """Names of the Linear layers quantization replaces: all but MoE routers."""
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
-    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in routers}
+    """Names of the Linear layers quantization replaces: all but MoE routers (marked `router` by the model)."""
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not getattr(m, "router", False)}
 
 
 def check_mode(mode: str) -> None:

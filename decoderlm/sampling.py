@@ -61,6 +61,20 @@ class SamplingParams:
         return torch.Generator(device).manual_seed(self.seed) if self.seed is not None else None
 
 
+def finish_reason(token: int, generated: int, params: SamplingParams, context_full: bool = False) -> str | None:
+    """Why a sequence ends at the token it just sampled, the one rule of every decode loop (`generate`,
+    speculative decoding, the server's engine): "stop" for a stop token (which is not emitted),
+    "length" when it is the `generated`-th token of a budget of max_new_tokens or the context is full,
+    None when decoding goes on. A full context ends a sequence only where the cache cannot slide
+    (`context_full`: the server's paged cache); `generate` and speculative decoding slide a window of
+    the last max_seq_len tokens instead, so they never pass it."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if generated >= params.max_new_tokens or context_full:
+        return "length"
+    return None
+
+
 def per_row(value: float | Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """One value for all rows, or a list with one per row, as a (1 or B, 1) tensor next to `like`."""
     values = [value] if isinstance(value, (int, float)) else list(value)

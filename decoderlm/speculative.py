@@ -29,7 +29,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p
+from decoderlm.sampling import SamplingParams, apply_repetition_penalty, finish_reason, filter_min_p, filter_top_k, filter_top_p
 
 
 @dataclass
@@ -224,7 +224,6 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
     param = next(target.parameters())
     max_len = target.config.max_seq_len
     generator = params.generator(param.device)
-    stop = set(params.stop_token_ids)
     budget, emitted = params.max_new_tokens, 0
     size = min(max_len, len(ids) + budget + k)
     cache = KVCache(target.config, 1, size, dtype=param.dtype, device=param.device)  # holds ids[:cache.length]
@@ -255,13 +254,14 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
         stats.accepted += kept
         cache.truncate(len(ids) + kept)  # ids and the kept guesses; the new token is fed next time
         for tok in guesses[:kept] + [nxt]:
-            if tok in stop:
+            reason = finish_reason(tok, emitted + 1, params)
+            if reason == "stop":
                 return
             ids.append(tok)
             emitted += 1
             stats.generated += 1
             yield tok
-            if emitted == budget:
+            if reason == "length":
                 return
 
 

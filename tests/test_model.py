@@ -7,7 +7,7 @@ from conftest import configs, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoderlm.model.attention import build_mask
+from decoderlm.model.cache import build_mask
 
 
 @given(configs(), st.integers(1, 11), st.integers(0, 2**16))

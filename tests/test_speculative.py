@@ -285,3 +285,27 @@ def test_penalties_it_does_not_apply_are_refused():
     for field in ("frequency_penalty", "presence_penalty"):
         with pytest.raises(DecoderLMError, match=field):
             speculative.speculative_stream(model, [1, 2, 3], SamplingParams(temperature=0, **{field: 0.5}), PromptLookup())
+
+
+@given(st.integers(1, 12), st.integers(0, 14), st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None)
+def test_every_decode_loop_ends_where_finish_reason_says(budget, stop_at, seed):
+    """generate, speculative decoding and the server's engine share one finish rule: each stops before
+    the first stop token and emits at most max_new_tokens, so greedy they give the same tokens."""
+    from decoderlm.serve.engine import Engine
+
+    torch.manual_seed(seed)
+    model = tiny_model()
+    prompt = [1, 2, 3, 4]
+    free = generate(model, prompt, SamplingParams(max_new_tokens=15, **GREEDY))
+    params = SamplingParams(max_new_tokens=budget, stop_token_ids=[free[stop_at]], **GREEDY)
+    expected = free[: min(budget, free.index(free[stop_at]))]
+    assert generate(model, prompt, params) == expected
+    assert speculative_generate(model, prompt, params, PromptLookup(), 3)[0] == expected
+    engine = Engine(model, max_batch=2, num_blocks=8)
+    stream = engine.add_request(prompt, params)
+    while engine.has_work():
+        engine.step()
+    outputs = list(stream)
+    assert [o.token_id for o in outputs if o.token_id is not None] == expected
+    assert outputs[-1].finish_reason == ("stop" if free.index(free[stop_at]) < budget else "length")

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from decoderlm.errors import DecoderLMError
 from decoderlm.inspect.accounting import GROUPS, Accounting
 from decoderlm.model import Transformer
-from decoderlm.model.attention import build_mask
+from decoderlm.model.cache import build_mask
 
 
 def mask_matrices(n: int, prefix: int, window: int) -> dict[str, torch.Tensor]:

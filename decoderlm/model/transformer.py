@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,14 +16,12 @@ from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import Attention, causal_mask, default_positions
+from decoderlm.model.attention import Attention
+from decoderlm.model.cache import Cache, causal_mask, default_positions
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
 from decoderlm.model.rope import inverse_frequencies, rope_cos_sin
-
-if TYPE_CHECKING:
-    from decoderlm.kv_cache import Cache
 
 IGNORE_INDEX = -100
 

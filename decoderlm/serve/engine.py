@@ -23,7 +23,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
 from decoderlm.quantize import DENSE_TOKENS, Int4Linear
-from decoderlm.sampling import SamplingParams, sample_batch
+from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
 from decoderlm.serve.paged_cache import BlockPool, PagedCache
 from decoderlm.serve.scheduler import Scheduler, Sequence
 
@@ -280,14 +280,14 @@ class Engine:
         generated = 0
         for i, (seq, token) in enumerate(zip(rows, tokens.tolist())):
             logprob, top = extras.get(i, (None, None))
-            if token in seq.params.stop_token_ids:
+            reason = finish_reason(token, seq.num_generated + 1, seq.params, context_full=len(seq.token_ids) >= self.max_len)
+            if reason == "stop":
                 self._finish(seq.request_id, TokenOutput(None, finish_reason="stop"))
                 continue
             seq.token_ids.append(token)
             generated += 1
-            out = TokenOutput(token, logprob, top)
-            if seq.num_generated >= seq.params.max_new_tokens or len(seq.token_ids) - 1 >= self.max_len:
-                out.finish_reason = "length"
+            out = TokenOutput(token, logprob, top, finish_reason=reason)
+            if reason is not None:
                 self._finish(seq.request_id, out)
             else:
                 self._stream(seq.request_id).put(out)

@@ -8,7 +8,7 @@ sequence with the same prefix points its table at that block instead of computin
 content is known stays reusable in an LRU until the pool needs it back.
 
 `PagedCache` is the view of one forward: a batch of sequences of different lengths, each adding
-some new tokens, through the `decoderlm.kv_cache.Cache` contract the model already writes through.
+some new tokens, through the `decoderlm.model.cache.Cache` contract the model already writes through.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import KEY_ALIGN, aligned, build_mask
+from decoderlm.model.cache import KEY_ALIGN, aligned, build_mask
 
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
 
