@@ -19,6 +19,7 @@ that is one-hot, which the same rule covers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -270,3 +271,22 @@ def speculative_generate(target: Transformer, prompt_ids: list[int], params: Sam
     """All generated ids at once, with the counts (see `speculative_stream`)."""
     stats = SpeculativeStats()
     return list(speculative_stream(target, prompt_ids, params, proposer, num_speculative_tokens, stats)), stats
+
+
+class Decoding:
+    """Prompt ids + params → token stream, plain (`generate.stream`) or speculative with `proposer`;
+    after a speculative stream, `stats` holds its counts and `report` prints them on stderr."""
+
+    def __init__(self, model: Transformer, proposer: Proposer | None = None, num_speculative_tokens: int = 5) -> None:
+        self.model, self.proposer, self.k = model, proposer, num_speculative_tokens
+        self.stats: SpeculativeStats | None = None
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if self.proposer is None:
+            return stream(self.model, prompt_ids, params)
+        self.stats = SpeculativeStats()
+        return speculative_stream(self.model, prompt_ids, params, self.proposer, self.k, self.stats)
+
+    def report(self) -> None:
+        if self.stats is not None:
+            print(f"speculative decoding: {self.stats.summary()}", file=sys.stderr)
