@@ -30,7 +30,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams, apply_repetition_penalty, finish_reason, filter_min_p, filter_top_k, filter_top_p
+from decoderlm.sampling import SamplingParams, finish_reason, penalize, warp
 
 
 @dataclass
@@ -61,21 +61,19 @@ class Proposer(Protocol):
 # --- the target's distributions, shared with the draft so that p and q are filtered alike ----------
 
 
-def scores(logits: torch.Tensor, params: SamplingParams, seen: list[int], first: int) -> torch.Tensor:
-    """fp32 logits (N, V) after the repetition penalty: row i predicts the token after seen[:first + i]."""
+def scores(logits: torch.Tensor, params: SamplingParams, seen: list[int], first: int, prompt_len: int = 0) -> torch.Tensor:
+    """fp32 logits (N, V) after `decoderlm.sampling.penalize`, as plain decoding penalizes them: row i
+    predicts the token after seen[:first + i], whose tokens from prompt_len on count as generated."""
     logits = logits.float()
-    if params.repetition_penalty == 1.0:
+    if not params.penalized:
         return logits
-    rows = [apply_repetition_penalty(row[None], torch.tensor([seen[: first + i]], device=row.device), params.repetition_penalty)
-            for i, row in enumerate(logits)]
-    return torch.cat(rows)
+    n = logits.shape[0]
+    return penalize(logits, [params] * n, [seen[: first + i] for i in range(n)], [prompt_len] * n)
 
 
 def probabilities(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distribution (N, V) of `decoderlm.sampling.sample` for scores (N, V)."""
-    x = scores / params.temperature
-    x = filter_min_p(filter_top_p(filter_top_k(x, params.top_k), params.top_p), params.min_p)
-    return x.softmax(-1)
+    return warp(scores, [params])
 
 
 def verify(p: torch.Tensor, q: torch.Tensor | None, guesses: list[int], generator: torch.Generator | None) -> tuple[int, int]:
@@ -215,8 +213,6 @@ def speculative_stream(target: Transformer, prompt_ids: list[int], params: Sampl
     check_request(target, prompt_ids, params)
     if num_speculative_tokens < 1:
         raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
-    if params.frequency_penalty or params.presence_penalty:
-        raise DecoderLMError("speculative decoding applies the repetition penalty only; drop frequency_penalty / presence_penalty or decode without a draft")
     return _speculate(target, list(prompt_ids), params, proposer, num_speculative_tokens, stats or SpeculativeStats())
 
 
@@ -225,7 +221,7 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
     param = next(target.parameters())
     max_len = target.config.max_seq_len
     generator = params.generator(param.device)
-    budget, emitted = params.max_new_tokens, 0
+    budget, emitted, prompt_len = params.max_new_tokens, 0, len(ids)
     size = min(max_len, len(ids) + budget + k)
     cache = KVCache(target.config, 1, size, dtype=param.dtype, device=param.device)  # holds ids[:cache.length]
     proposer.start(size, target.config.vocab_size)
@@ -244,7 +240,7 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
         feed = ids[cache.length :] + guesses  # the first forward is also the prompt's prefill
         logits = target(torch.tensor([feed], device=param.device), cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
         stats.target_forwards += 1
-        s = scores(logits, params, ids + guesses, len(ids))
+        s = scores(logits, params, ids + guesses, len(ids), prompt_len)
         if params.greedy:
             choice = s.argmax(-1).tolist()
             kept = next((i for i, x in enumerate(guesses) if x != choice[i]), len(guesses))
