@@ -19,6 +19,7 @@ that is one-hot, which the same rule covers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -29,7 +30,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams, apply_repetition_penalty, finish_reason, filter_min_p, filter_top_k, filter_top_p
+from decoderlm.sampling import SamplingParams, finish_reason, penalize, warp
 
 
 @dataclass
@@ -60,21 +61,19 @@ class Proposer(Protocol):
 # --- the target's distributions, shared with the draft so that p and q are filtered alike ----------
 
 
-def scores(logits: torch.Tensor, params: SamplingParams, seen: list[int], first: int) -> torch.Tensor:
-    """fp32 logits (N, V) after the repetition penalty: row i predicts the token after seen[:first + i]."""
+def scores(logits: torch.Tensor, params: SamplingParams, seen: list[int], first: int, prompt_len: int = 0) -> torch.Tensor:
+    """fp32 logits (N, V) after `decoderlm.sampling.penalize`, as plain decoding penalizes them: row i
+    predicts the token after seen[:first + i], whose tokens from prompt_len on count as generated."""
     logits = logits.float()
-    if params.repetition_penalty == 1.0:
+    if not params.penalized:
         return logits
-    rows = [apply_repetition_penalty(row[None], torch.tensor([seen[: first + i]], device=row.device), params.repetition_penalty)
-            for i, row in enumerate(logits)]
-    return torch.cat(rows)
+    n = logits.shape[0]
+    return penalize(logits, [params] * n, [seen[: first + i] for i in range(n)], [prompt_len] * n)
 
 
 def probabilities(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling distribution (N, V) of `decoderlm.sampling.sample` for scores (N, V)."""
-    x = scores / params.temperature
-    x = filter_min_p(filter_top_p(filter_top_k(x, params.top_k), params.top_p), params.min_p)
-    return x.softmax(-1)
+    return warp(scores, [params])
 
 
 def verify(p: torch.Tensor, q: torch.Tensor | None, guesses: list[int], generator: torch.Generator | None) -> tuple[int, int]:
@@ -214,8 +213,6 @@ def speculative_stream(target: Transformer, prompt_ids: list[int], params: Sampl
     check_request(target, prompt_ids, params)
     if num_speculative_tokens < 1:
         raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
-    if params.frequency_penalty or params.presence_penalty:
-        raise DecoderLMError("speculative decoding applies the repetition penalty only; drop frequency_penalty / presence_penalty or decode without a draft")
     return _speculate(target, list(prompt_ids), params, proposer, num_speculative_tokens, stats or SpeculativeStats())
 
 
@@ -224,7 +221,7 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
     param = next(target.parameters())
     max_len = target.config.max_seq_len
     generator = params.generator(param.device)
-    budget, emitted = params.max_new_tokens, 0
+    budget, emitted, prompt_len = params.max_new_tokens, 0, len(ids)
     size = min(max_len, len(ids) + budget + k)
     cache = KVCache(target.config, 1, size, dtype=param.dtype, device=param.device)  # holds ids[:cache.length]
     proposer.start(size, target.config.vocab_size)
@@ -243,7 +240,7 @@ def _speculate(target: Transformer, ids: list[int], params: SamplingParams, prop
         feed = ids[cache.length :] + guesses  # the first forward is also the prompt's prefill
         logits = target(torch.tensor([feed], device=param.device), cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
         stats.target_forwards += 1
-        s = scores(logits, params, ids + guesses, len(ids))
+        s = scores(logits, params, ids + guesses, len(ids), prompt_len)
         if params.greedy:
             choice = s.argmax(-1).tolist()
             kept = next((i for i, x in enumerate(guesses) if x != choice[i]), len(guesses))
@@ -270,3 +267,22 @@ def speculative_generate(target: Transformer, prompt_ids: list[int], params: Sam
     """All generated ids at once, with the counts (see `speculative_stream`)."""
     stats = SpeculativeStats()
     return list(speculative_stream(target, prompt_ids, params, proposer, num_speculative_tokens, stats)), stats
+
+
+class Decoding:
+    """Prompt ids + params → token stream, plain (`generate.stream`) or speculative with `proposer`;
+    after a speculative stream, `stats` holds its counts and `report` prints them on stderr."""
+
+    def __init__(self, model: Transformer, proposer: Proposer | None = None, num_speculative_tokens: int = 5) -> None:
+        self.model, self.proposer, self.k = model, proposer, num_speculative_tokens
+        self.stats: SpeculativeStats | None = None
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if self.proposer is None:
+            return stream(self.model, prompt_ids, params)
+        self.stats = SpeculativeStats()
+        return speculative_stream(self.model, prompt_ids, params, self.proposer, self.k, self.stats)
+
+    def report(self) -> None:
+        if self.stats is not None:
+            print(f"speculative decoding: {self.stats.summary()}", file=sys.stderr)

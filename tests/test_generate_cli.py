@@ -13,7 +13,7 @@ from spm_tokenizer import write_spm_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import decoderlm.cli as cli
-from decoderlm.cli import speculative
+from decoderlm import speculative
 from decoderlm.cli.common import DEFAULT_SAMPLING
 from decoderlm.sampling import SamplingParams
 
@@ -75,7 +75,7 @@ def sampling_of(argv: list[str], monkeypatch) -> SamplingParams:
         seen.append(params)
         return iter(())
 
-    monkeypatch.setattr(speculative, "stream", fake_stream)  # both commands decode through cli.speculative.Decoding
+    monkeypatch.setattr(speculative, "stream", fake_stream)  # both commands decode through speculative.Decoding
     assert cli.main(argv) == 0
     return seen[0]
 

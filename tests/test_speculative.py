@@ -279,12 +279,14 @@ def test_embedded_model_greedy_output_is_unchanged_by_speculation():
         assert got == want and stats.accepted > 0
 
 
-def test_penalties_it_does_not_apply_are_refused():
-    """frequency/presence penalties would be silently ignored by the verifier: refused at the call."""
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=1.5), dict(presence_penalty=1.2), dict(frequency_penalty=0.8, repetition_penalty=1.3)])
+def test_every_penalty_gives_plain_decodings_tokens(penalties):
+    """The verifier penalizes as plain decoding does (sampling.penalize): greedy, the same tokens."""
     model = tiny_model()
-    for field in ("frequency_penalty", "presence_penalty"):
-        with pytest.raises(DecoderLMError, match=field):
-            speculative.speculative_stream(model, [1, 2, 3], SamplingParams(temperature=0, **{field: 0.5}), PromptLookup())
+    prompt = [1, 2, 3, 1, 2, 3]
+    params = SamplingParams(max_new_tokens=24, **GREEDY, **penalties)
+    for proposer in (PromptLookup(2), DraftModel(tiny_model())):
+        assert speculative_generate(model, prompt, params, proposer, 4)[0] == generate(model, prompt, params)
 
 
 @given(st.integers(1, 12), st.integers(0, 14), st.integers(0, 2**16))

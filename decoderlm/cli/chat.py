@@ -20,10 +20,11 @@ from decoderlm.cli.common import (
     print_stream,
     sampling_params,
 )
-from decoderlm.cli.speculative import Decoding, add_speculative_flags, decoding_from_args
+from decoderlm.cli.speculative import add_speculative_flags, decoding_from_args
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
+from decoderlm.speculative import Decoding
 from decoderlm.tokenizer.chat import Message
 
 HELP = "type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) quits"

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterator
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import stream
 from decoderlm.loader import load
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams
-from decoderlm.speculative import DraftModel, PromptLookup, Proposer, SpeculativeStats, check_vocabularies, speculative_stream
+from decoderlm.speculative import Decoding, DraftModel, PromptLookup, check_vocabularies
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -22,24 +18,6 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="guess the tokens that followed the latest match of the text's last N tokens (default N: 3); "
                         "pays when the reply repeats the prompt")
     g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K", help="tokens guessed per step (default: 5)")
-
-
-class Decoding:
-    """Prompt ids + params → token stream, plain or speculative; `report` prints the counts on stderr."""
-
-    def __init__(self, model: Transformer, proposer: Proposer | None = None, num_speculative_tokens: int = 5) -> None:
-        self.model, self.proposer, self.k = model, proposer, num_speculative_tokens
-        self.stats: SpeculativeStats | None = None
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        if self.proposer is None:
-            return stream(self.model, prompt_ids, params)
-        self.stats = SpeculativeStats()
-        return speculative_stream(self.model, prompt_ids, params, self.proposer, self.k, self.stats)
-
-    def report(self) -> None:
-        if self.stats is not None:
-            print(f"speculative decoding: {self.stats.summary()}", file=sys.stderr)
 
 
 def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) -> Decoding:
