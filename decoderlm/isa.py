@@ -23,6 +23,22 @@ _MKL = {"default": "SSE4_2", "avx2": "AVX2"}
 # /proc/cpuinfo flags ATen checks before it runs a level's kernels
 _FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}}
 
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@cache
+def cpuinfo() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags from /proc/cpuinfo (the machine's name and no flags without it)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:  # the first processor's entries (every core has the same)
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields.get("model name") or platform.processor() or platform.machine(), frozenset(fields.get("flags", "").split())
+
 
 def current() -> str:
     """The level this process's torch kernels run at ("default", "avx2", "avx512"; others as torch names them)."""
@@ -32,13 +48,9 @@ def current() -> str:
 @cache
 def supported() -> tuple[str, ...]:
     """The levels this CPU can run, lowest first (x86-64 only; elsewhere just the native one)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not X86:
         return (native(),)
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        flags = set()
+    flags = cpuinfo()[1]
     if not flags:  # no /proc: ask a child torch that has no level forced
         top = native()
         return LEVELS[: LEVELS.index(top) + 1] if top in LEVELS else (top,)
@@ -55,17 +67,7 @@ def native() -> str:
 
 def describe() -> dict[str, object]:
     """The machine facts a benchmark's JSON records: CPU model, cores, the level torch runs at and the native one."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpuinfo()
     extras = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"))
     return {"cpu": model, "cpus": os.cpu_count(), "isa": current(), "native_isa": native(), "flags": extras,
             "torch": torch.__version__}

@@ -250,11 +250,9 @@ def kernels_vectorized() -> bool:
     """Whether torch's packed int4 kernel (which int4 and int8 layers run on) is vectorized here. On an
     x86-64 CPU below AVX2 (ATen's "default" level) it is scalar code, far slower than fp32's BLAS, so
     `--quantize auto` keeps such a machine on the float path."""
-    import platform
-
     from decoderlm import isa
 
-    return not (platform.machine() in ("x86_64", "AMD64") and isa.current() == "default")
+    return not (isa.X86 and isa.current() == "default")
 
 
 DENSE_TOKENS = 64  # from this many tokens per sequence in one forward (a prefill) packed layers multiply densely

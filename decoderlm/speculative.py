@@ -165,6 +165,8 @@ class DraftModel:
         for _ in range(k):
             logits = self.model(torch.tensor([feed], device=device), cache=self.cache, logits_to_keep=1).logits[:, -1]  # (1, V)
             self.cached += feed
+            # prompt_len 0: the draft counts the whole context as generated for frequency/presence; q is
+            # still exactly the distribution the guess is drawn from, so verification stays exact
             s = scores(self._fit(logits), params, ids + guesses, len(ids) + len(guesses))
             if params.greedy:
                 tok = int(s.argmax())

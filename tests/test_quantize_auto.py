@@ -4,7 +4,6 @@ an x86 CPU below AVX2, whose packed kernels are scalar; `--quantize none` is the
 
 from __future__ import annotations
 
-import platform
 from types import SimpleNamespace
 
 import pytest
@@ -65,8 +64,7 @@ def tensor(name: str, qtype: Q, shape: tuple[int, ...]) -> SimpleNamespace:
 
 
 def test_packed_kernels_count_as_vectorized_except_on_plain_x86():
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    assert kernels_vectorized() == (not x86 or isa.current() != "default")
+    assert kernels_vectorized() == (not isa.X86 or isa.current() != "default")
 
 
 def test_native_mode_follows_the_layers_bulk(monkeypatch):
