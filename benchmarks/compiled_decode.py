@@ -1,7 +1,7 @@
 """The compiled decode step (`--compile`) against eager decoding and llama.cpp, same model, same run.
 
 SmolLM2-135M-Instruct, the same prompt as generate_speed.py, greedy. For each mode the model is loaded,
-decoded eagerly, then `decoderlm.compiled.enable` builds (first time on this machine: tens of seconds to
+decoded eagerly, then `decoderlm.compiled.CompiledDecoder` builds (first time on this machine: tens of seconds to
 minutes) or loads (later: about a second) its package, and the compiled decode is timed; llama.cpp's
 decode is timed in the same repeats, interleaved. Reports the build/load time apart from decode speed.
 
@@ -57,18 +57,18 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
         model, tokenizer = load(gguf, quantize=None if mode == "fp32" else mode)
         ids = tokenizer.encode(TEXT, add_special_tokens=False)[: args.prompt_tokens]
 
-        def decode() -> tuple[float, list[int]]:
-            _, rest, out = timed(stream(model, ids, SamplingParams(temperature=0, max_new_tokens=args.new_tokens)))
+        def decode(step: compiled.CompiledDecoder | None = None) -> tuple[float, list[int]]:
+            _, rest, out = timed(stream(model, ids, SamplingParams(temperature=0, max_new_tokens=args.new_tokens), step=step))
             return (len(out) - 1) / rest, out
 
         eager = [decode() for _ in range(args.repeats)]
         t0 = time.perf_counter()
-        compiled.enable(model)
-        decode()  # the first compiled decode builds or loads the package
+        step = compiled.CompiledDecoder(model)
+        decode(step)  # the first compiled decode builds or loads the package
         build_s = time.perf_counter() - t0
         fast, peer = [], []
         for _ in range(args.repeats):  # interleaved with llama.cpp
-            fast.append(decode())
+            fast.append(decode(step))
             if llama is not None:
                 _, rest, out = timed(llama(ids, args.new_tokens))
                 peer.append((len(out) - 1) / rest)

@@ -32,8 +32,9 @@ import torch
 
 from decoderlm import isa
 from decoderlm import SamplingParams, Transformer, load, stream
+from decoderlm.generate import SpeculativeStats
 from decoderlm.names import DEFAULT_MODEL, locate
-from decoderlm.speculative import DraftModel, PromptLookup, SpeculativeStats, speculative_stream
+from decoderlm.speculative import DraftModel, PromptLookup
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 PARAGRAPH = ("The Transformer architecture was introduced in 2017 in the paper Attention Is All You Need. It replaced recurrence "
@@ -66,7 +67,7 @@ def engines(target: Transformer, gguf: Path, k: int, draft_layers: int) -> dict[
     def speculative(proposer) -> Engine:
         def run(ids: list[int], n: int):
             stats = SpeculativeStats()
-            return speculative_stream(target, ids, SamplingParams(temperature=0, max_new_tokens=n), proposer, k, stats), stats
+            return stream(target, ids, SamplingParams(temperature=0, max_new_tokens=n), proposer, num_speculative_tokens=k, stats=stats), stats
         return run
 
     return {

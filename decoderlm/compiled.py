@@ -102,7 +102,8 @@ def cache_key(model: Transformer, max_len: int) -> str:
 
 
 class CompiledDecoder:
-    """A model's compiled decode steps, one per cache size, each built once per machine and reused.
+    """A model's compiled decode steps, one per cache size, each built once per machine and reused: a
+    `generate.Step`, so `stream(model, ids, params, step=CompiledDecoder(model))` decodes through it.
 
     `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
     through the compiled library. The library holds the cache's buffers, so each size has one cache,
@@ -179,9 +180,3 @@ class CompiledDecoder:
         os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
         self.compiles += 1
 
-
-def enable(model: Transformer, build: bool = True) -> Transformer:
-    """Make `generate` decode `model` through compiled steps, built on first use; with build=False,
-    through those already cached (a package is built once by a run that asks for it)."""
-    model.compiled_decoder = CompiledDecoder(model, build)
-    return model

@@ -3,19 +3,62 @@
 Each decode step feeds only the newest token; keys/values of everything before it come from the
 KV cache, so a step costs O(context) attention instead of re-running the whole sequence. A model
 with a sliding window gets a rolling cache that never holds more than its window.
+
+`stream` is the one decode loop (the server's engine runs the same rules over a batch). Two things
+plug into it:
+- a `Step` runs the one-token forward instead of the model's eager forward, over a cache of its own
+  (`decoderlm.compiled.CompiledDecoder`);
+- a `Proposer` guesses the next k tokens and the model checks them all in one forward, keeping the
+  longest prefix it agrees with plus one token of its own (speculative decoding; the proposers are
+  in `decoderlm.speculative`). Without one, every forward checks zero guesses: plain decoding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.kv_cache import cache_for
+from decoderlm.kv_cache import KVCache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.model.cache import Cache
-from decoderlm.sampling import SamplingParams, finish_reason, sample
+from decoderlm.sampling import SamplingParams, finish_reason, scores, verify, warp
+
+
+class Step(Protocol):
+    def new_cache(self, n_slots: int) -> Cache | None:
+        """A cache for n_slots tokens that `step` can run over (None: this step cannot, decode eagerly)."""
+
+    def step(self, token: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """Feed one token per row (B,) at the cache's next position; return its logits (B, V)."""
+
+
+class Proposer(Protocol):
+    def start(self, max_len: int, vocab_size: int) -> None:
+        """A new sequence begins; it will hold at most max_len tokens; the target has vocab_size logits."""
+
+    def propose(self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k guesses for the tokens after ids, and the distributions (n, V) they were drawn from
+        (None: the guesses are a deterministic function of ids)."""
+
+
+@dataclass
+class SpeculativeStats:
+    proposed: int = 0  # guesses checked by the target
+    accepted: int = 0  # guesses kept
+    target_forwards: int = 0  # forwards of the target (the first one also prefills the prompt)
+    generated: int = 0  # tokens yielded
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.accepted}/{self.proposed} proposed tokens accepted ({self.acceptance_rate:.1%}), "
+                f"{self.generated} tokens in {self.target_forwards} target forwards")
 
 
 def prefill(model: Transformer, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
@@ -28,15 +71,21 @@ def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.
     return model(token[:, None], cache=cache).logits[:, -1]
 
 
-def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, proposer: Proposer | None = None,
+           step: Step | None = None, num_speculative_tokens: int = 5, stats: SpeculativeStats | None = None) -> Iterator[int]:
     """Yield generated token ids one at a time, until a stop token (not yielded) or max_new_tokens.
 
     The model sees a sliding window of the last `max_seq_len` tokens: every token is chosen from the
-    logits of model(ids[-max_seq_len:]), as if the text so far were cropped and run afresh. Bad params
-    or prompts raise here, at the call, not at the first token (so a caller can report them before
-    printing anything)."""
+    logits of model(ids[-max_seq_len:]), as if the text so far were cropped and run afresh. With a
+    `proposer`, up to num_speculative_tokens guesses are checked per forward: greedy, the tokens are
+    plain decoding's; sampled, they follow the same distribution (see `sampling.verify`). A `step`
+    serves the one-token forwards of plain decoding (a proposer's checks are multi-token, eager).
+    Counts go into `stats`. Bad params or prompts raise here, at the call, not at the first token
+    (so a caller can report them before printing anything)."""
     check_request(model, prompt_ids, params)
-    return _decode(model, prompt_ids, params)
+    if proposer is not None and num_speculative_tokens < 1:
+        raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
+    return _decode(model, list(prompt_ids), params, proposer, step, num_speculative_tokens, stats or SpeculativeStats())
 
 
 def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -53,48 +102,70 @@ def check_request(model: Transformer, prompt_ids: list[int], params: SamplingPar
 
 
 @torch.inference_mode()
-def _decode(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-    """Prefill, then sample and decode through the cache until the context holds max_seq_len tokens.
+def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer: Proposer | None, step: Step | None,
+            k: int, stats: SpeculativeStats) -> Iterator[int]:
+    """Each round: guesses (none without a proposer), one forward over the tokens the cache lacks and the
+    guesses, then the kept guesses and one token of the model's own.
 
-    From then on the window slides by one token per step. That moves every token to a new position
-    and drops the oldest token from every later token's context, so no cached key or value stays
-    exact: each further step runs one cache-free forward over the window, as recomputation would.
+    A full context (more than max_seq_len tokens) slides the window by one token per step. That moves
+    every token to a new position and drops the oldest token from every later token's context, so no
+    cached key or value stays exact: each further step runs one cache-free forward over the window, as
+    recomputation would, and checks no guesses.
     """
-    param = next(model.parameters())
-    max_len = model.config.max_seq_len
-    ids = list(prompt_ids)
-    seen = torch.tensor([ids], device=param.device) if params.penalized else None
-    generator = params.generator(param.device)
-    if not params.max_new_tokens:
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    max_len, prompt_len, budget = model.config.max_seq_len, len(ids), params.max_new_tokens
+    generator = params.generator(device)
+    if not budget:
         return
-    # Slots: the prompt, plus one per sampled token but the last (it needs no forward pass).
-    n_slots = min(len(ids) + params.max_new_tokens - 1, max_len)
-    compiled = getattr(model, "compiled_decoder", None)  # set by decoderlm.compiled.enable (--compile)
-    cache: Cache | None = compiled.new_cache(n_slots) if compiled is not None else None
+    # Slots: the prompt, plus one per sampled token but the last (it is never fed); guesses past the
+    # budget are never made, so they need no room of their own.
+    n_slots = min(prompt_len + budget - 1, max_len)
+    cache = step.new_cache(n_slots) if step is not None and proposer is None else None
     if cache is None:
-        compiled = None
-        cache = cache_for(model.config, 1, n_slots, dtype=param.dtype, device=param.device)
-    logits = prefill(model, torch.tensor([ids], device=param.device), cache)
-    for n in range(params.max_new_tokens):
-        token = sample(logits, params, generator, seen, len(prompt_ids))  # (1,)
-        tok = int(token)
-        reason = finish_reason(tok, n + 1, params)
-        if reason == "stop":
-            return
-        yield tok
-        if reason == "length":
-            return
-        ids.append(tok)
-        if seen is not None:
-            seen = torch.cat((seen, token[:, None]), dim=1)
-        if cache is not None and cache.length < max_len:
-            logits = compiled.step(token, cache) if compiled is not None else decode_step(model, token, cache)
-        else:  # the context is full: slide the window
+        step = None
+        cache = KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
+    if proposer is not None:
+        proposer.start(n_slots, model.config.vocab_size)
+    emitted = 0
+    while True:
+        if len(ids) > max_len:
             cache = None
-            window = torch.tensor([ids[-max_len:]], device=param.device)
-            logits = model(window, logits_to_keep=1).logits[:, -1]
+        n = min(k, budget - emitted - 1, max_len - len(ids)) if proposer is not None and cache is not None else 0
+        guesses, q = proposer.propose(ids, n, params, generator) if n > 0 else ([], None)
+        guesses, q = guesses[:n], (q[:n] if q is not None else None)
+        if cache is None:  # the context is full: the window's last logits, recomputed
+            logits = model(torch.tensor([ids[-max_len:]], device=device), logits_to_keep=1).logits[0]  # (1, V)
+        elif step is not None and 0 < cache.length == len(ids) - 1:  # the prompt is prefilled eagerly
+            logits = step.step(torch.tensor(ids[-1:], device=device), cache)  # (1, V)
+        else:  # the first forward also prefills the prompt
+            feed = torch.tensor([ids[cache.length :] + guesses], device=device)
+            logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
+        stats.target_forwards += 1
+        s = scores(logits, params, ids + guesses, len(ids), prompt_len)  # (n+1, V)
+        if params.greedy:
+            choice = s.argmax(-1).tolist()
+            kept = next((i for i, x in enumerate(guesses) if x != choice[i]), len(guesses))
+            nxt = choice[kept]
+        else:
+            kept, nxt = verify(warp(s, [params]), q, guesses, generator)
+        if guesses:
+            stats.proposed += len(guesses)
+            stats.accepted += kept
+            cache.truncate(len(ids) + kept)  # ids and the kept guesses; the new token is fed next round
+        for tok in guesses[:kept] + [nxt]:
+            reason = finish_reason(tok, emitted + 1, params)
+            if reason == "stop":
+                return
+            ids.append(tok)
+            emitted += 1
+            stats.generated += 1
+            yield tok
+            if reason == "length":
+                return
 
 
-def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, proposer: Proposer | None = None,
+             step: Step | None = None, num_speculative_tokens: int = 5) -> list[int]:
     """All generated ids at once (see `stream`)."""
-    return list(stream(model, prompt_ids, params))
+    return list(stream(model, prompt_ids, params, proposer, step, num_speculative_tokens))

@@ -1,6 +1,9 @@
-"""Logits → next token: penalties, temperature, top-k, top-p (nucleus), min-p.
+"""Logits → next token: penalties, logits processors, temperature, top-k, top-p (nucleus), min-p.
 
-Filters run in that order on the last position's logits (B, V); temperature 0 means greedy. A seeded
+Filters run in that order on the last position's logits (B, V); temperature 0 means greedy. A logits
+processor is a request's own function of the ids so far and the scores (a grammar's mask, a bias): each
+row runs its request's processors, so the same request is processed alike alone, in a batch, or as
+speculative decoding's check of several positions. A seeded
 `torch.Generator` makes sampling reproducible. `sample` serves rows that share one set of params;
 `sample_batch` serves a serving batch, where every row has its own params and its own generator.
 Each filter takes one value for all rows or a list with one value per row, so both paths run the
@@ -11,10 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from decoderlm.errors import DecoderLMError
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, ids: Sequence[int], scores: torch.Tensor) -> torch.Tensor:
+        """The fp32 scores (V,) of the token after `ids` (the prompt and the tokens generated so far),
+        after the penalties: return them changed (e.g. -inf where a grammar forbids a token)."""
 
 
 @dataclass
@@ -29,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     frequency_penalty: float = 0.0  # OpenAI: minus penalty × count of the token among the generated ones
     presence_penalty: float = 0.0  # OpenAI: minus penalty once the token has been generated at all
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # run in order, after the penalties
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,8 +65,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether sampling needs the token history (any penalty is on)."""
+        """Whether any penalty is on."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the ids so far (a penalty or a logits processor)."""
+        return self.penalized or bool(self.logits_processors)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         return torch.Generator(device).manual_seed(self.seed) if self.seed is not None else None
@@ -119,6 +135,57 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Seque
     return logits
 
 
+def process(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Run each row's logits processors on its scores (B, V), in order; seen[i]: row i's ids so far."""
+    if not any(p.logits_processors for p in params):
+        return logits
+    rows = list(logits.unbind(0))
+    for i, (p, ids) in enumerate(zip(params, seen)):
+        for processor in p.logits_processors:
+            rows[i] = processor(ids, rows[i])
+    return torch.stack(rows)
+
+
+def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[Sequence[int]],
+           prompt_lens: Sequence[int]) -> torch.Tensor:
+    """fp32 scores (B, V): each row's penalties (`penalize`), then its logits processors (`process`)."""
+    logits = logits.float()
+    if any(p.penalized for p in params):
+        logits = penalize(logits, params, seen, prompt_lens)
+    return process(logits, params, seen)
+
+
+def scores(logits: torch.Tensor, params: SamplingParams, seen: list[int], first: int, prompt_len: int = 0) -> torch.Tensor:
+    """`adjust` for N consecutive positions of one sequence (speculative decoding checks several at
+    once): row i of logits (N, V) predicts the token after seen[:first + i], whose tokens from
+    prompt_len on count as generated."""
+    if not params.needs_history:
+        return logits.float()
+    n = logits.shape[0]
+    return adjust(logits, [params] * n, [seen[: first + i] for i in range(n)], [prompt_len] * n)
+
+
+def verify(p: torch.Tensor, q: torch.Tensor | None, guesses: list[int], generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling's rule (Leviathan et al., 2023; Chen et al., 2023). p (n+1, V): the target's
+    distributions at each guess and after the last; q (n, V): the proposer's (None: one-hot at the
+    guesses). Guess x is kept with probability min(1, p(x)/q(x)); at the first rejection the token
+    comes from normalize(max(0, p − q)); when all are kept, from p after the last. Every token then
+    follows p exactly. Returns (guesses kept, the next token); with no guesses, a draw from p[0]."""
+    for i, x in enumerate(guesses):
+        q_x = float(q[i, x]) if q is not None else 1.0
+        if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[i, x]):  # P = min(1, p/q)
+            continue
+        if q is not None:
+            residual = (p[i] - q[i]).clamp(min=0)
+        else:
+            residual = p[i].clone()
+            residual[x] = 0
+        if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
+            residual = p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(guesses), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
 def filter_top_k(logits: torch.Tensor, k: int | Sequence[int]) -> torch.Tensor:
     """Keep the k largest logits per row; the rest become -inf. k: one for all rows or one per row; 0 = off."""
     V = logits.shape[-1]
@@ -167,10 +234,10 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            seen: torch.Tensor | None = None, prompt_len: int = 0) -> torch.Tensor:
     """Choose the next token for each row of logits (B, V) → (B,). seen (B, S): each row's prompt
-    followed by its generated ids (the first prompt_len are the prompt), for the penalties."""
+    followed by its generated ids (the first prompt_len are the prompt), for the penalties and processors."""
+    if params.needs_history and seen is not None and seen.numel():
+        logits = adjust(logits, [params] * seen.shape[0], seen.tolist(), [prompt_len] * seen.shape[0])
     logits = logits.float()
-    if params.penalized and seen is not None and seen.numel():
-        logits = penalize(logits, [params] * seen.shape[0], seen.tolist(), [prompt_len] * seen.shape[0])
     if params.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(warp(logits, [params]), 1, generator=generator).squeeze(-1)
@@ -180,10 +247,10 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], generat
                  seen: Sequence[Sequence[int]] | None = None, prompt_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Next token (B,) for logits (B, V) where row i has its own params[i] and generators[i], so a
     seeded request draws the same tokens whatever else shares the batch. seen/prompt_lens as in
-    `penalize` (an empty history for rows without penalties)."""
+    `penalize` (an empty history for rows that need none: `SamplingParams.needs_history`)."""
     logits = logits.float()
-    if seen is not None and any(p.penalized for p in params):
-        logits = penalize(logits, params, seen, prompt_lens or [0] * len(params))
+    if seen is not None and any(p.needs_history for p in params):
+        logits = adjust(logits, params, seen, prompt_lens or [0] * len(params))
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -110,14 +110,13 @@ def test_without_build_a_package_built_earlier_is_used_and_none_is_built(checkpo
     params, prompt = SamplingParams(temperature=0, max_new_tokens=6), [5, 17, 3]
     eager = generate(model, prompt, params)
     if not list(package_dir.rglob("*.pt2")):  # the CLI test has not built it: none is built here either
-        compiled.enable(model, build=False)
-        assert generate(model, prompt, params) == eager
-        assert set(model.compiled_decoder.runners.values()) == {None} and not list(package_dir.rglob("*.pt2"))
-        compiled.enable(model)
-        generate(model, prompt, params)
-    compiled.enable(model, build=False)
-    assert generate(model, prompt, params) == eager
-    assert model.compiled_decoder.compiles == 0 and None not in model.compiled_decoder.runners.values()
+        step = compiled.CompiledDecoder(model, build=False)
+        assert generate(model, prompt, params, step=step) == eager
+        assert set(step.runners.values()) == {None} and not list(package_dir.rglob("*.pt2"))
+        generate(model, prompt, params, step=compiled.CompiledDecoder(model))
+    step = compiled.CompiledDecoder(model, build=False)
+    assert generate(model, prompt, params, step=step) == eager
+    assert step.compiles == 0 and None not in step.runners.values()
 
 
 def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_dir, monkeypatch):
@@ -126,11 +125,10 @@ def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_d
     params = SamplingParams(temperature=0, max_new_tokens=20)
     prompts = [[5, 17, 3], list(range(40, 90)), [7] * 9]
     eager = [generate(model, p, params) for p in prompts]
-    compiled.enable(model)
-    assert [generate(model, p, params) for p in prompts] == eager
-    assert model.compiled_decoder.compiles <= 1  # all three prompts share one cache size: one package
+    decoder = compiled.CompiledDecoder(model)
+    assert [generate(model, p, params, step=decoder) for p in prompts] == eager
+    assert decoder.compiles <= 1  # all three prompts share one cache size: one package
 
-    decoder = model.compiled_decoder
     static, plain = decoder.new_cache(30), KVCache(model.config, 1, 30)
     ids = torch.tensor([list(range(10, 30))])
     with torch.inference_mode():
@@ -146,9 +144,9 @@ def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
     model = quantize(tiny_model(), "int4")
     params = SamplingParams(temperature=0, max_new_tokens=16)
     eager = generate(model, [3, 1, 4, 1, 5], params)
-    compiled.enable(model)
-    assert generate(model, [3, 1, 4, 1, 5], params) == eager
-    assert model.compiled_decoder.compiles == 1 and model.compiled_decoder.runners[64] is not None
+    step = compiled.CompiledDecoder(model)
+    assert generate(model, [3, 1, 4, 1, 5], params, step=step) == eager
+    assert step.compiles == 1 and step.runners[64] is not None
 
 
 def test_a_failed_compile_falls_back_to_eager_with_one_note_and_is_not_retried(tmp_path, monkeypatch, capsys):
@@ -163,16 +161,16 @@ def test_a_failed_compile_falls_back_to_eager_with_one_note_and_is_not_retried(t
     model = tiny_model()
     params = SamplingParams(temperature=0, max_new_tokens=10)
     eager = generate(model, [1, 2, 3], params)
-    compiled.enable(model)
-    assert generate(model, [1, 2, 3], params) == eager
+    step = compiled.CompiledDecoder(model)
+    assert generate(model, [1, 2, 3], params, step=step) == eager
     assert capsys.readouterr().err.splitlines() == [
         f"{COMPILING} for this model and machine (cached in {tmp_path / 'compiled'})",
         "compiled decoding unavailable (RuntimeError: no compiler here); decoding eagerly"]
-    assert generate(model, [1, 2, 3], params) == eager  # the failure is remembered in this process: no second note
+    assert generate(model, [1, 2, 3], params, step=step) == eager  # the failure is remembered in this process: no second note
     assert capsys.readouterr().err == ""
 
-    compiled.enable(model)  # as a new process would: the failure is remembered on disk
-    assert generate(model, [1, 2, 3], params) == eager
+    step = compiled.CompiledDecoder(model)  # as a new process would: the failure is remembered on disk
+    assert generate(model, [1, 2, 3], params, step=step) == eager
     (note,) = capsys.readouterr().err.splitlines()
     assert note.startswith("compiled decoding unavailable (RuntimeError: no compiler here (earlier; delete ")
     assert len(exports) == 1

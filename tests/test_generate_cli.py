@@ -71,7 +71,7 @@ def sampling_of(argv: list[str], monkeypatch) -> SamplingParams:
     """The SamplingParams a command hands to generation."""
     seen = []
 
-    def fake_stream(model, prompt, params):
+    def fake_stream(model, prompt, params, *plugins):
         seen.append(params)
         return iter(())
 

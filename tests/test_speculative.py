@@ -4,6 +4,7 @@ verifier fails); the draft's tokenizer must be the target's; the CLI flags."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import shutil
 from collections import Counter
@@ -16,17 +17,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from decoderlm import speculative
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import generate
+from decoderlm.generate import SpeculativeStats, generate, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model.transformer import ModelOutput
 from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_top_k, filter_top_p
-from decoderlm.speculative import DraftModel, PromptLookup, check_vocabularies, ngram_lookup, speculative_generate
+from decoderlm.speculative import DraftModel, PromptLookup, check_vocabularies, ngram_lookup
 from decoderlm.tokenizer import CharTokenizer
 
 GREEDY = dict(temperature=0.0)
 CONFIGS = {"rope-gqa": dict(n_kv_heads=2), "learned": dict(position="learned"), "window": dict(sliding_window=4, n_kv_heads=1)}
+
+
+def speculative_generate(target, prompt, params, proposer, k) -> tuple[list[int], SpeculativeStats]:
+    stats = SpeculativeStats()
+    return list(stream(target, prompt, params, proposer, num_speculative_tokens=k, stats=stats)), stats
 
 
 def proposers(target, cfg) -> dict:
@@ -160,7 +165,7 @@ def test_the_chi_square_test_catches_a_verifier_that_resamples_from_p(monkeypatc
                 return i, int(torch.multinomial(p[i], 1, generator=generator))
         return len(guesses), int(torch.multinomial(p[-1], 1, generator=generator))
 
-    monkeypatch.setattr(speculative, "verify", naive)
+    monkeypatch.setattr(importlib.import_module("decoderlm.generate"), "verify", naive)  # the module, not decoderlm.generate()
     target, prompt = peaked_model(11), [3, 5]
     counts = first_pairs(target, prompt, DraftModel(peaked_model(12)), RUNS)
     assert chi_square_z(counts, target_pair_distribution(target, prompt), RUNS) > 4
@@ -311,3 +316,52 @@ def test_every_decode_loop_ends_where_finish_reason_says(budget, stop_at, seed):
     outputs = list(stream)
     assert [o.token_id for o in outputs if o.token_id is not None] == expected
     assert outputs[-1].finish_reason == ("stop" if free.index(free[stop_at]) < budget else "length")
+
+
+class OneAllowedToken:
+    """A logits processor that allows one token, a function of the ids so far (as a grammar would
+    allow a set); it records the ids it was shown."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.shown = vocab, []
+
+    def allowed(self, ids) -> int:
+        return (sum(ids) * 7 + len(ids)) % self.vocab
+
+    def __call__(self, ids, scores: torch.Tensor) -> torch.Tensor:
+        self.shown.append(list(ids))
+        out = torch.full_like(scores, float("-inf"))
+        out[self.allowed(ids)] = scores[self.allowed(ids)]
+        return out
+
+
+@given(st.integers(1, 12), st.integers(0, 2**16), st.sampled_from([0.0, 1.0]))
+@settings(max_examples=10, deadline=None)
+def test_a_logits_processor_steers_every_decode_loop_alike(budget, seed, temperature):
+    """The processor seam: generate, speculative decoding (draft and prompt lookup) and the server's
+    engine each emit only what the request's processor allows, shown the ids so far each time."""
+    from decoderlm.serve.engine import Engine
+
+    model, prompt = tiny_model(), [1, 2, 3, 4]
+    want = list(prompt)
+    processor = OneAllowedToken(model.config.vocab_size)
+    for _ in range(budget):
+        want.append(processor.allowed(want))
+    want = want[len(prompt) :]
+
+    def params() -> SamplingParams:
+        processor.shown = []
+        return SamplingParams(max_new_tokens=budget, temperature=temperature, seed=seed, logits_processors=[processor])
+
+    assert generate(model, prompt, params()) == want
+    assert processor.shown == [prompt + want[:i] for i in range(budget)]
+    for proposer in (PromptLookup(), DraftModel(tiny_model(9, n_layers=1))):
+        assert speculative_generate(model, prompt, params(), proposer, 3)[0] == want
+    engine = Engine(model, max_batch=2, num_blocks=8)
+    stream = engine.add_request(prompt, params())
+    other = engine.add_request([5, 6], SamplingParams(max_new_tokens=budget, temperature=temperature, seed=seed))  # no processor
+    while engine.has_work():
+        engine.step()
+    assert [o.token_id for o in stream if o.token_id is not None] == want
+    assert processor.shown == [prompt + want[:i] for i in range(budget)]  # only its own row
+    assert [o.token_id for o in other if o.token_id is not None] == generate(model, [5, 6], SamplingParams(max_new_tokens=budget, temperature=temperature, seed=seed))

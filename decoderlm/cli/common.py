@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import compiled
 from decoderlm.errors import DecoderLMError
 from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
@@ -107,16 +106,13 @@ def apply_run_flags(args: argparse.Namespace) -> torch.device:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
-    """The model and tokenizer named by --model, with --dtype, --quantize, --threads, --device and --compile applied.
+    """The model and tokenizer named by --model, with --dtype, --quantize, --threads and --device applied.
     Sampling flags, where the command has them, are checked first: a bad value fails before the load."""
     source = model_source(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    model, tokenizer = load(source, dtype=args.dtype, quantize=args.quantize, device=device)
-    if getattr(args, "compile", False) is not False:  # None: a package built earlier, if any
-        compiled.enable(model, build=args.compile is True)
-    return model, tokenizer
+    return load(source, dtype=args.dtype, quantize=args.quantize, device=device)
 
 
 def check_out_file(path: str | Path, what: str = "--out") -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from decoderlm.compiled import CompiledDecoder
 from decoderlm.errors import DecoderLMError
 from decoderlm.loader import load
 from decoderlm.model import Transformer
@@ -21,7 +22,8 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
 
 
 def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) -> Decoding:
-    """The decoding the flags ask for; a draft model is loaded like the model (--dtype, --quantize)."""
+    """The decoding the flags ask for: speculative with --draft-model (loaded like the model: --dtype,
+    --quantize) or --prompt-lookup, else plain, through the compiled step unless --no-compile."""
     if args.draft_model is not None and args.prompt_lookup is not None:
         raise DecoderLMError("choose one of --draft-model and --prompt-lookup")
     if args.num_speculative_tokens < 1:
@@ -29,7 +31,9 @@ def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) 
     if args.prompt_lookup is not None:
         return Decoding(model, PromptLookup(args.prompt_lookup), args.num_speculative_tokens)
     if args.draft_model is None:
-        return Decoding(model)
+        # --compile: build the step if missing; default (None): a step built earlier, if any; --no-compile: eager
+        step = CompiledDecoder(model, build=args.compile is True) if args.compile is not False else None
+        return Decoding(model, step=step)
     draft, draft_tokenizer = load(args.draft_model, dtype=args.dtype, quantize=args.quantize)
     check_vocabularies(tokenizer, draft_tokenizer)
     draft.to(next(model.parameters()).device)

@@ -272,7 +272,7 @@ class Engine:
     def _emit(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """Sample each row's next token and send it; finished rows leave the batch now."""
         params = [seq.params for seq in rows]
-        seen = [seq.token_ids if seq.params.penalized else [] for seq in rows]
+        seen = [seq.token_ids if seq.params.needs_history else [] for seq in rows]
         tokens = sample_batch(logits, params, [seq.generator for seq in rows], seen, [seq.prompt_len for seq in rows])
         wanted = [i for i, seq in enumerate(rows) if seq.logprobs is not None]
         logprobs = self._logprobs(logits[wanted], tokens[wanted], [rows[i].logprobs for i in wanted]) if wanted else []
