@@ -383,6 +383,14 @@ def test_unknown_and_unsupported_fields_are_400s_in_the_users_words(client, name
         assert e.value.param == param and e.value.body["message"].startswith(text), e.value.body
 
 
+def test_a_prompt_too_long_is_context_length_exceeded(client, name):
+    for create, kwargs in ((client.completions.create, dict(prompt=[5] * 300)),
+                           (client.chat.completions.create, dict(messages=[{"role": "user", "content": "word " * 400}]))):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=name, max_tokens=4, **kwargs)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt" if "prompt" in kwargs else "messages")
+
+
 def test_what_the_openai_client_sends_back_is_accepted(client, name):
     """A reply passed back as the client returned it (refusal: null) and every stream option it knows."""
     messages = [{"role": "user", "content": "hi"}]

@@ -2,8 +2,8 @@
 
 A request becomes one `Choice` per prompt and choice index; each is one engine request. What a prompt
 must be (not empty, ids inside the vocabulary, shorter than the context and the KV cache) is checked
-once, by the engine as it accepts it; this module only says which OpenAI parameter a refusal is
-about, and adds the one check the engine cannot make: that max_tokens fits beside the prompt.
+once, by the engine as it accepts it; this module only says which OpenAI parameter (and code) a
+refusal is about, and adds the one check the engine cannot make: that max_tokens fits beside the prompt.
 """
 
 from __future__ import annotations
@@ -99,9 +99,10 @@ class ChoiceStreams:
         except EngineClosed:  # not the client's mistake: the server is going away, retry elsewhere
             self.close()
             raise RequestError("the server is shutting down; retry the request", status=503) from None
-        except DecoderLMError as e:  # the engine's check of the prompt
+        except DecoderLMError as e:  # the engine's check of the prompt; OpenAI's code says when it is too long
             self.close()
-            raise RequestError(str(e), prompt_param) from None
+            too_long = len(c.prompt_ids) >= served.engine.max_len
+            raise RequestError(str(e), prompt_param, code="context_length_exceeded" if too_long else None) from None
 
     async def events(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """(choice, delta) pairs from all choices, in arrival order."""
