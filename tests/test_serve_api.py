@@ -302,6 +302,8 @@ BAD = [  # (route, body or raw bytes, headers, status, param)
     ("completions", GOOD | {"prompt": []}, {}, 400, "prompt"),
     ("completions", GOOD | {"prompt": [1, 99999]}, {}, 400, "prompt"),
     ("completions", GOOD | {"prompt": [5] * 300}, {}, 400, "prompt"),
+    ("completions", GOOD | {"prompt": [[]]}, {}, 400, "prompt"),
+    ("completions", GOOD | {"temprature": 0.5}, {}, 400, "temprature"),
     ("completions", GOOD | {"max_tokens": -1}, {}, 400, "max_tokens"),
     ("completions", GOOD | {"max_tokens": 10**9}, {}, 400, "max_tokens"),
     ("completions", GOOD | {"max_tokens": "ten"}, {}, 400, "max_tokens"),
@@ -330,7 +332,15 @@ BAD = [  # (route, body or raw bytes, headers, status, param)
     ("chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, {}, 400, "messages.0.role"),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": 5}]}, {}, 400, None),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400,
-     None),
+     "messages.0.content"),
+    ("chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}, {}, 400,
+     "messages.0.content"),
+    ("chat/completions", CHAT | {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, {}, 400, "messages.0.role"),
+    ("chat/completions", CHAT | {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]}, {}, 400, "messages.0.nmae"),
+    ("chat/completions", CHAT | {"tool_choice": "auto"}, {}, 400, "tool_choice"),
+    ("chat/completions", CHAT | {"max_token": 4}, {}, 400, "max_token"),
+    ("chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True, "usage": True}}, {}, 400,
+     "stream_options.usage"),
     ("chat/completions", CHAT | {"top_logprobs": 2}, {}, 400, "top_logprobs"),
     ("chat/completions", CHAT | {"max_completion_tokens": 0}, {}, 400, "max_completion_tokens"),
     ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tools"),
@@ -350,6 +360,45 @@ def test_bad_request_gets_openai_error(url, name, route, body, headers, status, 
     assert error["message"] and "Traceback" not in r.text and "\n" not in error["message"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_unknown_and_unsupported_fields_are_400s_in_the_users_words(client, name):
+    """OpenAI answers 400 for an argument it does not know, so a misspelled one never passes silently;
+    a message this server cannot read is refused in words that name what it has, not pydantic's."""
+    cases = [
+        (dict(prompt=PROMPT, extra_body={"temprature": 0.5}), "temprature", "unrecognized request argument 'temprature'"),
+        (dict(messages=[{"role": "user", "content": "What is 6 x 7?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}]),
+         "messages.1.tool_calls", "tool_calls is not supported yet"),
+        (dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]), "messages.0.role", "tool messages are not supported yet"),
+        (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                     {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]),
+         "messages.0.content", "image content parts need a vision model"),
+    ]
+    for kwargs, param, text in cases:
+        create = client.completions.create if "prompt" in kwargs else client.chat.completions.create
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=name, max_tokens=4, **kwargs)
+        assert e.value.status_code == 400 and e.value.type == "invalid_request_error"
+        assert e.value.param == param and e.value.body["message"].startswith(text), e.value.body
+
+
+def test_a_prompt_too_long_is_context_length_exceeded(client, name):
+    for create, kwargs in ((client.completions.create, dict(prompt=[5] * 300)),
+                           (client.chat.completions.create, dict(messages=[{"role": "user", "content": "word " * 400}]))):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=name, max_tokens=4, **kwargs)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt" if "prompt" in kwargs else "messages")
+
+
+def test_what_the_openai_client_sends_back_is_accepted(client, name):
+    """A reply passed back as the client returned it (refusal: null) and every stream option it knows."""
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0).choices[0].message
+    messages += [reply, {"role": "user", "content": [{"type": "text", "text": "and then?"}]}]
+    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0, n=1, user="u1", stream=True,
+                                                 stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
 
 
 def test_chunked_oversized_body_is_413(url):

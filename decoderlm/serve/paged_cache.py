@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,7 @@ from decoderlm.model.cache import KEY_ALIGN, aligned, build_mask
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
 
 
-def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
     """The name of a full block: a digest of the previous block's name and this block's ids, so
     equal names mean equal tokens all the way from the start of the sequence."""
     h = hashlib.sha256(parent or b"")
@@ -86,7 +85,7 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+    def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks for the longest run of `hashes` from the start (not yet taken)."""
         blocks = []
         for h in hashes:
@@ -108,7 +107,7 @@ class BlockPool:
             self.by_hash[h] = block
             self.hashes[block] = h
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: list[int]) -> None:
         """A table drops these blocks. Give them in reverse table order: the LRU then evicts a
         prefix's tail before its head, which more sequences are likely to share."""
         for block in blocks:
@@ -130,8 +129,8 @@ class PagedCache:
     and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
     write into the null block, which no table really uses."""
 
-    def __init__(self, pool: BlockPool, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
-                 new_lens: Sequence[int]) -> None:
+    def __init__(self, pool: BlockPool, block_tables: list[list[int]], context_lens: list[int],
+                 new_lens: list[int]) -> None:
         bs, device = pool.block_size, pool.k[0].device
         B, T = len(new_lens), max(new_lens)
         totals = [c + n for c, n in zip(context_lens, new_lens)]

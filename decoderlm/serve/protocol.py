@@ -1,15 +1,16 @@
-"""OpenAI request bodies as pydantic models: every parameter is checked here, at the door.
+"""OpenAI request bodies as pydantic models, and the one-line error a bad body gets.
 
-Types are strict (no "0.5" → 0.5 coercion) and ranges follow OpenAI's documentation; a field OpenAI
-has but this server cannot honour (tools, logit_bias, echo, best_of > n, ...) is refused with a 400
-rather than silently ignored. Unknown extra fields are ignored, as OpenAI's clients may send new ones.
+Types are strict (no "0.5" → 0.5 coercion) and ranges follow OpenAI's documentation. A field OpenAI
+has but this server cannot honour (tools, logit_bias, echo, best_of > n, image parts, ...) is refused
+with a 400 rather than silently ignored; so is a field OpenAI does not have, as OpenAI itself answers,
+so that a misspelled parameter never passes unnoticed.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from decoderlm.errors import DecoderLMError
 
@@ -17,6 +18,7 @@ MAX_N = 16  # choices per request: each is one engine sequence
 MAX_LOGPROBS = 20
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_SEED = 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class RequestError(DecoderLMError):
@@ -28,14 +30,15 @@ class RequestError(DecoderLMError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI pads its chunks against side channels; nothing to pad here
 
 
-class _Sampling(_Strict):
+class _GenerationRequest(_Strict):
     """The parameters completions and chat share."""
 
     model: str
@@ -56,7 +59,7 @@ class _Sampling(_Strict):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _check_shared(self) -> "_Sampling":
+    def _check_shared(self) -> _GenerationRequest:
         stops = self.stop_strings
         if len(stops) > MAX_STOPS:
             raise ValueError(f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}")
@@ -85,7 +88,8 @@ class _Sampling(_Strict):
         return values | {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_GenerationRequest):
+    prompt_param: ClassVar[str] = "prompt"  # the field a bad prompt is reported against
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -94,7 +98,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "CompletionRequest":
+    def _check(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo: not supported by this server; leave it out")
         if self.best_of is not None and self.best_of != self.n:
@@ -114,16 +118,59 @@ class CompletionRequest(_Sampling):
             return [self.prompt]
         return list(self.prompt)
 
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are read (the others carry their own fields)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    role: str
+    tool_calls: list | None = None  # before content: an assistant message that calls tools may have none
+    function_call: dict | None = None
+    content: str | list[ContentPart]
     name: str | None = None
+    refusal: str | None = None  # sent back with an assistant message the client received; not read
+    annotations: list | None = None  # likewise
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role in ("tool", "function"):
+            raise ValueError(f"{role} messages are not supported yet: this server does not call tools; leave them out")
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart]) -> str | list[ContentPart]:
+        for part in content if isinstance(content, list) else []:
+            if part.type in ("image_url", "image"):
+                raise ValueError("image content parts need a vision model; this model reads text only, so send text parts")
+            if part.type != "text":
+                raise ValueError(f"{part.type} content parts are not supported; send {{'type': 'text', 'text': ...}} parts")
+            if part.text is None or set(part.model_extra or ()):
+                raise ValueError("a text content part has exactly the fields 'type' and 'text'")
+        return content
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tools(cls, value: list | dict | None, info: ValidationInfo) -> list | dict | None:
+        if value:
+            raise ValueError(f"{info.field_name} is not supported yet: this server does not call tools; leave it out")
+        return value
 
     def for_template(self) -> dict:
         """The dict a chat template expects; OpenAI's "developer" role is the templates' "system"."""
@@ -131,21 +178,26 @@ class ChatMessage(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_GenerationRequest):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools
     response_format: dict | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported by this server; leave it out")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calling is not supported by this server; leave it out")
         if self.response_format and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
         return self
@@ -157,3 +209,33 @@ class ChatCompletionRequest(_Sampling):
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
+
+def parse_request(body: bytes, model: type[R]) -> R:
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form-encoded)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestError(*describe(e.errors()[0])) from None
+
+
+def describe(error: dict) -> tuple[str, str | None]:
+    """One pydantic error as (message, param) for OpenAI's error JSON, in the request's words."""
+    if error["type"] == "json_invalid":
+        return f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')}); send a JSON object", None
+    loc = list(error["loc"])
+    while loc and isinstance(loc[-1], str) and (loc[-1] in ("str", "int", "float", "bool") or "[" in loc[-1]):
+        loc.pop()  # pydantic names the union member it tried last ("prompt.list[int]"); the field is enough
+    param = ".".join(str(p) for p in loc) or None
+    if error["type"] == "extra_forbidden":
+        return f"unrecognized request argument {param!r}; check its spelling, or leave it out", param
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "value_error":
+        if param is None and ": " in message:  # a request-wide check: its message starts with the field's name
+            return message, message.split(": ", 1)[0]
+        return message, param  # a field's own check: its message names the field in the user's words
+    return (f"{param}: {message}", param) if param else (f"the body: {message}; send a JSON object", None)

@@ -52,7 +52,7 @@ class Sequence:
 
 
 @dataclass
-class Step:
+class StepPlan:
     """What the next forwards compute: decode rows (one token each) and prefill rows (a chunk each)."""
 
     decode: list[Sequence]
@@ -75,10 +75,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Step:
+    def schedule(self) -> StepPlan:
         self._admit()
         decode = [seq for seq in self._grow() if seq.pending == 1]
-        return Step(decode, self._chunks())
+        return StepPlan(decode, self._chunks())
 
     def computed(self, seq: Sequence, n: int) -> None:
         """n more tokens of seq are in the pool; name the blocks that just became full."""
