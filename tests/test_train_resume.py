@@ -88,7 +88,7 @@ def stopped_run(tmp_path_factory):
 
 
 CHANGED = dict(data="other.txt", preset="llama-tiny", decay_steps=99, batch_size=5, context=8, lr=5e-4, min_lr=5e-5, warmup=7,
-               weight_decay=0.0, beta1=0.8, beta2=0.9, grad_clip=0.5, dropout=0.1, seed=7, grad_accum=2, precision="bf16",
+               weight_decay=0.0, beta1=0.8, beta2=0.9, grad_clip=0.5, dropout=0.1, seed=7, grad_accum=2, dtype="bfloat16",
                fsdp=True, config="model.json", set=["n_layers=3"], init_from="other-model", scheduled_sampling=0.3,
                optimizer="muon", muon_lr=0.05)
 

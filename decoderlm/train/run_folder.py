@@ -45,14 +45,15 @@ def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Train
     if missing:
         raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
                              f"({', '.join(missing)}); start a new run with --data and another --out")
-    unknown = sorted(set(state["train_config"]) - FIELDS.keys())
+    settings = renamed_settings(state["train_config"])
+    unknown = sorted(set(settings) - FIELDS.keys())
     if unknown:
         raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} has training settings this decoderlm does not know ({', '.join(unknown)}); "
                              "upgrade decoderlm to resume it")
     if state.get("world_size", 1) != world.size:
         raise DecoderLMError(f"{out} was trained by {state.get('world_size', 1)} process(es), and this is {world.size}; "
                              "resume with the same number (the global batch and data order depend on it)")
-    saved = {name: f.metadata["default"] for name, f in FIELDS.items() if name not in state["train_config"]} | state["train_config"]
+    saved = {name: f.metadata["default"] for name, f in FIELDS.items() if name not in settings} | settings
     cfg, notes = resolve_resume(cfg, TrainConfig(**saved), state["step"])
     tokenizer = checkpoint.tokenizer_from_dict(state["tokenizer"])
     splits = read_data(cfg, out, tokenizer)
@@ -61,6 +62,15 @@ def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Train
         for note in notes:
             print(note, file=sys.stderr)
     return cfg, state, tokenizer, splits
+
+
+def renamed_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved settings under today's names: a run trained before --precision fp32|bf16 became
+    --dtype float32|bfloat16 (the spelling of every other command) resumes with the same setting."""
+    if "precision" not in settings:
+        return settings
+    old = {k: v for k, v in settings.items() if k != "precision"}
+    return old | {"dtype": {"fp32": "float32", "bf16": "bfloat16"}.get(settings["precision"], settings["precision"])}
 
 
 def read_data(cfg: TrainConfig, out: Path, tokenizer: Tokenizer) -> tuple[Split, Split]:

@@ -38,7 +38,7 @@ COMPILE_CACHE = Path.home() / ".cache" / "decoderlm" / "inductor"
 
 
 def autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.precision == "bf16":
+    if cfg.dtype == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -86,7 +86,7 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
     """One device's peak FLOP/s for MFU: --peak-flops, else a known GPU's dense bf16 peak, else unknown."""
     if cfg.peak_flops is not None:
         return cfg.peak_flops
-    if device.type == "cuda" and cfg.precision == "bf16":
+    if device.type == "cuda" and cfg.dtype == "bfloat16":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_BF16.items() if k in name), None)
     return None
