@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from decoderlm.config import PRESETS
-from decoderlm.device import resolve_device
+from decoderlm.device import DEVICE_HELP, resolve_device
 from decoderlm.errors import DecoderLMError
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
@@ -58,7 +58,8 @@ class TrainConfig:
     max_steps: int | None = setting("optimizer steps to train for; with --resume a larger value extends the run", RUN, 2000)
     decay_steps: int | None = setting("steps the warmup + cosine schedule spans (default: --max-steps); "
                                       "after them the lr stays at --min-lr", FIXED)
-    stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged", SESSION)
+    stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged "
+                                    "(default: at --max-steps)", SESSION)
     batch_size: int | None = setting("windows per micro-batch on each process; the global batch is "
                                      "batch_size x grad_accum x processes", FIXED)
     grad_accum: int | None = setting("micro-batches whose gradients are summed before each optimizer step", FIXED, 1)
@@ -86,7 +87,7 @@ class TrainConfig:
     save_interval: int | None = setting("also save the checkpoint every this many steps (default: at evaluations only)", RUN)
     eval_batches: int | None = setting("evaluate on this many batches of 64 val windows (default: the whole val split)", RUN)
     log_interval: int | None = setting("log the train loss every this many steps", RUN, 10)
-    device: str | None = setting("where to train: cpu, cuda, cuda:N or mps (under torchrun: cuda, each process its own GPU)",
+    device: str | None = setting(f"where to train: {DEVICE_HELP} (under torchrun: cuda, each process its own GPU)",
                                  SESSION, "cpu")
     threads: int | None = setting("CPU threads for torch (default: torch's choice)", SESSION)
     compile: bool = switch("torch.compile the model (faster steps; the compiled code is cached in "

@@ -42,6 +42,11 @@ class TrainState:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "best_val": self.best_val, "history": self.history,
                 "window": (self.window_loss, self.window_steps)}
 
+    def describe(self, max_steps: int) -> str:
+        """What a user asks of a run first: how far it got, how good it is, how much it has read."""
+        best = "none yet" if self.best_val == float("inf") else f"{self.best_val:.4f}"
+        return f"step {self.step:,} of {max_steps:,}, best val loss {best}, {self.tokens_seen:,} tokens seen"
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """From a checkpoint; one written before tokens_seen and best_val were kept starts them afresh."""
         self.step, self.history = state["step"], state["history"]
