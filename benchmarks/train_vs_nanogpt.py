@@ -20,7 +20,7 @@ is reported too, and with --full one 2000-step run of each engine gives the val 
 end. Writes benchmarks/results/train_vs_nanogpt.json (or --out).
 
     python benchmarks/train_vs_nanogpt.py --nanogpt PATH [--data tinyshakespeare.txt] [--threads 1] [--full]
-        [--flags "--precision bf16 --compile"] [--short 20 --long 220 --repeats 3]
+        [--flags "--dtype bfloat16 --compile"] [--short 20 --long 220 --repeats 3]
 
 PATH is a nanoGPT work tree or a bare git directory of it (its HEAD is extracted); nothing of it is
 copied into this repository.
@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--long", type=int, default=220)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--flags", default="--precision bf16 --compile", help="decoderlm train options of its best mode")
+    p.add_argument("--flags", default="--dtype bfloat16 --compile", help="decoderlm train options of its best mode")
     p.add_argument("--full", action="store_true", help="also one 2000-step run of each engine, for the loss at the recipe's end")
     p.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
     args = p.parse_args()

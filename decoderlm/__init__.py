@@ -8,4 +8,6 @@ from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["PRESETS", "DecoderLMError", "KVCache", "ModelConfig", "SamplingParams", "Transformer", "generate", "load", "stream"]

@@ -8,6 +8,7 @@ import torch
 from decoderlm.errors import DecoderLMError
 
 DEVICES = ("cpu", "cuda", "mps")
+DEVICE_HELP = "cpu, cuda, cuda:N or mps"
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -17,7 +18,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in DEVICES:
-        raise DecoderLMError(f"--device {device!s} is not supported; use one of cpu, cuda, cuda:N, mps")
+        raise DecoderLMError(f"--device {device!s} is not supported; use one of {DEVICE_HELP}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise DecoderLMError(f"--device {device!s}: PyTorch sees no CUDA GPU on this machine; use --device cpu")

@@ -43,14 +43,14 @@ def test_fp32_eager_and_best_mode_are_each_compared_with_nanogpt_with_their_loss
     data.write_text(corpus_text(20_000), encoding="utf-8")
     out = tmp_path / "train_vs_nanogpt.json"
     proc = subprocess.run([sys.executable, "benchmarks/train_vs_nanogpt.py", "--nanogpt", str(fake_nanogpt(tmp_path / "nanogpt")),
-                           "--data", str(data), "--short", "6", "--long", "10", "--repeats", "2", "--flags", "--precision bf16",
+                           "--data", str(data), "--short", "6", "--long", "10", "--repeats", "2", "--flags", "--dtype bfloat16",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     engines = ["nanogpt", "decoderlm_fp32_eager", "decoderlm_best_mode"]
     assert result["run_order"] == [engines, engines[::-1]]
     assert result["commands"]["decoderlm_fp32_eager"].startswith("decoderlm train --preset seed-char (")
-    assert "--precision bf16" in result["commands"]["decoderlm_best_mode"]
+    assert "--dtype bfloat16" in result["commands"]["decoderlm_best_mode"]
     assert set(result["ratio"]) == set(result["ratio_repeats"]) == set(engines[1:])
     for engine in engines[1:]:
         for kind in ("step", "wall", "cpu"):

@@ -1,15 +1,19 @@
 """The command line end to end: train → generate → info, and every user mistake is one line, exit 2."""
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 import torch
 from conftest import corpus_text
 
-from decoderlm.cli import main
+import decoderlm
+from decoderlm.cli import build_parser, main
 from decoderlm.loader import load
 
 TRAIN_FLAGS = ["--max-steps", "30", "--eval-interval", "15", "--batch-size", "4", "--context", "32", "--sample-chars", "50"]  # sample > context
@@ -69,6 +73,63 @@ def test_info_is_the_short_view_of_inspect(run_dir, capsys):
     full = capsys.readouterr().out.splitlines()
     assert set(info.splitlines()) < set(full) and "all layers" not in info  # the same report without the table
     assert main(["inspect", str(run_dir), "--short"]) == 0 and capsys.readouterr().out == info
+    best = min(r["val_loss"] for r in json.loads((run_dir / "log.json").read_text()) if r["val_loss"] is not None)
+    assert info.splitlines()[0] == f"training run: step 30 of 30, best val loss {best:.4f}, {30 * 4 * 32:,} tokens seen"
+
+
+def test_the_progress_bar_and_the_summary_give_the_same_tokens_per_second(tmp_path, capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(corpus_text(3000), encoding="utf-8")
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--max-steps", "12", "--eval-interval", "6",
+                 "--batch-size", "2", "--context", "16", "--sample-chars", "0"]) == 0
+    captured = capsys.readouterr()
+    bar = re.findall(r"tok_s=([\d,]*\d)", captured.err)[-1]  # the bar's last figure
+    summary = re.search(r", ([\d,]+) tokens/s;", captured.out).group(1)
+    assert bar == summary and int(bar.replace(",", "")) > 0
+
+
+def test_version():
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and decoderlm.__version__ == version("decoderlm")
+
+
+def parsers(parser: argparse.ArgumentParser, name: str = "decoderlm"):
+    """(command name, parser) for the command and every subcommand, nested ones too."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, p in action.choices.items():
+                yield from parsers(p, f"{name} {sub}")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    for name, p in parsers(build_parser()):
+        for action in p._actions:
+            if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)):
+                continue
+            text = p._get_formatter()._expand_help(action) if action.help else ""
+            assert text.strip(), (name, action.dest)
+            shown = action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool)
+            if action.option_strings and shown:
+                assert "default" in text.lower(), (name, action.dest, text)
+
+
+def test_every_command_takes_the_common_model_flags_alike():
+    """--model, --seed, --device and --threads are built in one place (cli/common): the same help, type and default."""
+    seen: dict[str, dict[str, tuple]] = {}
+    for name, p in parsers(build_parser()):
+        if name == "decoderlm train":  # TrainConfig's own flags
+            continue
+        for action in p._actions:
+            if set(action.option_strings) & {"--device", "--threads", "--model", "--seed"}:
+                seen.setdefault(action.dest, {})[name] = (action.type, action.default if action.dest != "model" else None)
+    assert {"decoderlm serve", "decoderlm perplexity", "decoderlm convert", "decoderlm sft", "decoderlm dpo"} <= set(seen["model"])
+    assert {"decoderlm serve", "decoderlm perplexity", "decoderlm sft", "decoderlm dpo", "decoderlm generate"} <= set(seen["device"])
+    for dest in ("device", "threads", "seed"):
+        assert len(set(seen[dest].values())) == 1, (dest, seen[dest])
+    device_help = {a.help for _, p in parsers(build_parser()) for a in p._actions if "--device" in a.option_strings}
+    assert all("cuda:N" in h for h in device_help)
 
 
 def test_stop_after_then_resume(tmp_path, capsys):

@@ -95,6 +95,19 @@ def test_a_checkpoint_from_before_format_versions_still_loads_and_resumes(tmp_pa
     assert train(TrainConfig(out=str(run), resume=True, max_steps=12))["step"] == 12
 
 
+def test_a_run_saved_with_precision_resumes_with_the_same_dtype(tmp_path, finished):
+    """Runs trained before --precision fp32|bf16 became --dtype float32|bfloat16 keep their setting."""
+    state = checkpoint.read(finished)
+    settings = {k: v for k, v in state["train_config"].items() if k != "dtype"} | {"precision": "bf16"}
+    run = run_with(tmp_path, state | {"train_config": settings})
+    for name in ("train.bin", "val.bin"):
+        (run / name).write_bytes((finished / name).read_bytes())
+    with pytest.raises(DecoderLMError, match="--dtype float32 \\(the run's: bfloat16\\)"):
+        train(TrainConfig(out=str(run), resume=True, max_steps=12, dtype="float32"))
+    assert train(TrainConfig(out=str(run), resume=True, max_steps=12))["config"].dtype == "bfloat16"
+    assert checkpoint.read(run)["train_config"]["dtype"] == "bfloat16" and "precision" not in checkpoint.read(run)["train_config"]
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temp_file(tmp_path, finished, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()

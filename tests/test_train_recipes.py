@@ -88,7 +88,7 @@ def test_flops_per_token_counts_every_matmul_weight_and_attention():
 
 def test_bf16_autocast_trains_close_to_fp32_but_not_identically(corpus, tmp_path):
     run(corpus, tmp_path / "a")
-    run(corpus, tmp_path / "b", precision="bf16")
+    run(corpus, tmp_path / "b", dtype="bfloat16")
     fp32, bf16 = rows(tmp_path / "a"), rows(tmp_path / "b")
     diffs = [abs(a["train_loss"] - b["train_loss"]) for a, b in zip(fp32, bf16)]
     assert 0 < max(diffs) < 0.05

@@ -1,6 +1,7 @@
 """--resume means what it says: exact continuation, refused setup changes, applied interval changes,
 and an extension that never sends the learning rate back up."""
 
+import dataclasses
 import re
 import shutil
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from decoderlm.errors import DecoderLMError
 from decoderlm.train import TrainConfig, checkpoint, train, trainer
 from decoderlm.train.config import FIELDS, FIXED, flag, resolve_new, resolve_resume
+from decoderlm.train.state import TrainState
 
 SMALL = dict(batch_size=4, context=16, eval_interval=10, log_interval=5, sample_chars=0, warmup=3)
 
@@ -27,6 +29,12 @@ def resume(out, **overrides) -> dict:
 
 def history(out) -> list[tuple]:
     return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in checkpoint.read(out)["history"]]
+
+
+def train_state(saved: dict) -> TrainState:
+    state = TrainState()
+    state.load_state_dict(saved)
+    return state
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -59,6 +67,8 @@ def test_a_killed_run_resumed_equals_an_uninterrupted_one(corpus, tmp_path, monk
     a, b = (checkpoint.read(tmp_path / name) for name in ("whole", "killed"))
     assert all(torch.equal(x, y) for x, y in zip(a["rng"].values(), b["rng"].values()))
     assert torch.equal(a["optimizer"]["state"][0]["exp_avg_sq"], b["optimizer"]["state"][0]["exp_avg_sq"])
+    counters = [dataclasses.replace(train_state(s), history=[]) for s in (a, b)]  # the rows' speeds differ
+    assert counters[0] == counters[1] and counters[0].tokens_seen == 40 * 4 * 16  # step, tokens, best val, window
 
 
 def test_extending_a_finished_run_keeps_the_schedule_and_equals_a_run_planned_that_long(corpus, tmp_path, capsys):
@@ -87,8 +97,17 @@ def stopped_run(tmp_path_factory):
     return root
 
 
+def test_the_train_state_round_trips_through_a_checkpoint(stopped_run):
+    saved = checkpoint.read(stopped_run / "run")
+    state = train_state(saved)
+    assert (state.step, state.tokens_seen, state.window_steps) == (5, 5 * 4 * 16, 0)
+    assert state.history == saved["history"] and state.best_val == float("inf")  # not evaluated yet
+    assert train_state(state.state_dict()) == state
+    assert state.describe(40) == "step 5 of 40, best val loss none yet, 320 tokens seen"
+
+
 CHANGED = dict(data="other.txt", preset="llama-tiny", decay_steps=99, batch_size=5, context=8, lr=5e-4, min_lr=5e-5, warmup=7,
-               weight_decay=0.0, beta1=0.8, beta2=0.9, grad_clip=0.5, dropout=0.1, seed=7, grad_accum=2, precision="bf16",
+               weight_decay=0.0, beta1=0.8, beta2=0.9, grad_clip=0.5, dropout=0.1, seed=7, grad_accum=2, dtype="bfloat16",
                fsdp=True, config="model.json", set=["n_layers=3"], init_from="other-model", scheduled_sampling=0.3,
                optimizer="muon", muon_lr=0.05)
 

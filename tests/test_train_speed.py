@@ -111,8 +111,8 @@ def test_fused_adamw_on_cpu_takes_the_same_steps_as_the_foreach_one():
         assert torch.allclose(a, b, atol=1e-6), name
 
 
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 5e-3)], ids=["fp32", "bf16"])
-def test_a_compiled_run_trains_like_the_eager_fp32_run(corpus, tmp_path, monkeypatch, precision, tol):
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-3)], ids=["fp32", "bf16"])
+def test_a_compiled_run_trains_like_the_eager_fp32_run(corpus, tmp_path, monkeypatch, dtype, tol):
     """Short version of the slow tests (below, and test_train_recipes.py's fp32 one): a --compile run, its step
     traced by dynamo and differentiated by AOTAutograd, takes the eager fp32 run's losses (fp32: observed equal;
     bf16: within its rounding, observed ≤ 6e-4, while a non-causal compiled attention is off by 2e-2). The graphs
@@ -128,7 +128,7 @@ def test_a_compiled_run_trains_like_the_eager_fp32_run(corpus, tmp_path, monkeyp
     torch._dynamo.reset()
     settings = SMALL | {"lr": 1e-2, "warmup": 0}
     train(TrainConfig(data=str(corpus), out=str(tmp_path / "eager"), **settings))
-    train(TrainConfig(data=str(corpus), out=str(tmp_path / "compiled"), precision=precision, compile=True, **settings))
+    train(TrainConfig(data=str(corpus), out=str(tmp_path / "compiled"), dtype=dtype, compile=True, **settings))
     assert len(graphs) == 1  # the whole forward, one graph
     eager, compiled = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "compiled"))
     assert eager[-1]["train_loss"] < eager[0]["train_loss"] - 0.2
@@ -144,7 +144,7 @@ def test_compiled_bf16_run_trains_like_the_eager_fp32_run_and_caches_its_compile
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     options = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items() if k != "set"] + [f"--set={s}" for s in SMALL["set"]]
     subprocess.run([sys.executable, "-m", "decoderlm", "train", "--data", str(corpus), "--out", str(tmp_path / "fast"), *options,
-                    "--precision", "bf16", "--compile"], env=env, cwd=ROOT, check=True, capture_output=True)
+                    "--dtype", "bfloat16", "--compile"], env=env, cwd=ROOT, check=True, capture_output=True)
     eager, fast = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "fast"))
     for a, b in zip(eager, fast, strict=True):  # the same batches: only bf16 rounding and kernel order differ
         assert abs(a["train_loss"] - b["train_loss"]) < 2e-2

@@ -8,19 +8,35 @@ from __future__ import annotations
 import argparse
 import sys
 
+from decoderlm import __version__
 from decoderlm.cli import chat, convert, finetune, inspect, perplexity, prepare, run, serve
 from decoderlm.errors import DecoderLMError
 
 COMMAND_MODULES = [run, prepare, chat, convert, inspect, perplexity, serve, finetune]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless it names one already or has none to show (unset, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = HelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
         raise DecoderLMError(f"{self.prog}: {message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="decoderlm", description="Decoder-only Transformer language models: train, load, generate, chat, inspect.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for module in COMMAND_MODULES:
         module.register(sub)

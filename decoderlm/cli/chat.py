@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=f"{SAMPLING_EPILOG} In the chat: {HELP}.")
     add_model_source(p, default=DEFAULT_MODEL, help="HF folder, .gguf file or known name")
     p.add_argument("--system", default=None, help="system prompt (default: the template's own, if any)")
-    p.add_argument("--message", default=None, help="send this one message, print the reply and exit")
+    p.add_argument("--message", default=None, help="send this one message, print the reply and exit (default: an interactive chat)")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.device import DEVICE_HELP
 from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
 from decoderlm.quantize import MODES
@@ -42,8 +43,19 @@ def model_source(args: argparse.Namespace) -> str:
     return source
 
 
-def add_seed_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=None, help=SEED_HELP)
+def add_seed_flag(p: argparse.ArgumentParser, help: str = SEED_HELP) -> None:
+    p.add_argument("--seed", type=int, default=None, help=help)
+
+
+def add_dtype_flag(p: argparse.ArgumentParser, help: str = "dtype of the weights and the compute") -> None:
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help=help)
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """--threads and --device: wherever a model runs or trains."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
+    p.add_argument("--device", default="cpu", help=f"where the model runs: {DEVICE_HELP}")
 
 
 # Sampling for a checkpoint that recommends none (no generation_config.json, a GGUF without
@@ -52,6 +64,10 @@ def add_seed_flag(p: argparse.ArgumentParser) -> None:
 DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 SAMPLING_EPILOG = ("Sampling defaults: the checkpoint's generation_config (GGUF: general.sampling.*), else "
                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_SAMPLING.items()) + "; flags override them.")
+
+
+def checkpoint_default(name: str) -> str:
+    return f"default: the checkpoint's, else {DEFAULT_SAMPLING.get(name, 'off')}"
 
 
 MAX_NEW_TOKENS = 256  # chat and generate alike: a full answer, not a page of rambling
@@ -63,10 +79,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="the most tokens to generate (default: %(default)s); a reply ends earlier at the model's end-of-turn or EOS token")
     g.add_argument("--temperature", type=float, default=None,
                    help=f"0 = greedy (default: the checkpoint's, else {DEFAULT_SAMPLING['temperature']})")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (1 = off)")
+    g.add_argument("--top-k", type=int, default=None, help=f"keep the k most likely tokens (0 = off; {checkpoint_default('top_k')})")
+    g.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass in (0, 1] ({checkpoint_default('top_p')})")
+    g.add_argument("--min-p", type=float, default=None, help=f"drop tokens below min_p × the top probability ({checkpoint_default('min_p')})")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"> 1 discourages repeats (1 = off; {checkpoint_default('repetition_penalty')})")
     add_seed_flag(g)
 
 
@@ -82,7 +98,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     """How to run the model: every command that runs one takes these; commands that decode token by
     token (generate, chat) also take --compile. `quantize`: the --quantize default (auto for the
     commands that serve a user, none for those that measure the model)."""
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    add_dtype_flag(p)
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", *MODES],
                    help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "
                         "for faster CPU decoding (decode vs float32: int8 ~3x, int4 ~4x; logits move slightly)")
@@ -91,9 +107,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
                        help="decode through a compiled step, built once per model, mode and machine (about a minute; "
                             "cached in $DECODERLM_CACHE or ~/.cache/decoderlm; eager if compiling fails). Default: a "
                             "step built earlier is used, none is built; --no-compile: always eager")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's choice; 1 is faster when other work holds the cores)")
-    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
+    add_device_flags(p)
 
 
 def apply_run_flags(args: argparse.Namespace) -> torch.device:

@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decoderlm.cli.common import MODEL_HELP
+from decoderlm.cli.common import MODEL_HELP, add_dtype_flag, add_model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.hf import parse_size, save_hf
-from decoderlm.loader import DTYPES, load
+from decoderlm.loader import load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="save a model as an HF folder (config.json, safetensors, tokenizer)",
                        usage="decoderlm convert [-h] (MODEL DST | --model MODEL DST) [options]")
     p.add_argument("paths", nargs="+", metavar="MODEL DST", help=f"the model ({MODEL_HELP}), then the output folder (new or empty)")
-    p.add_argument("--model", default=None, help=f"the model, instead of the first positional ({MODEL_HELP})")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the written weights")
+    add_model_source(p, help=f"the model, instead of the first positional ({MODEL_HELP})")
+    add_dtype_flag(p, help="dtype of the written weights")
     p.add_argument("--max-shard-size", default="2GB", help="split the weights into files of at most this size (e.g. 500MB)")
     p.add_argument("--force", action="store_true", help="write into a non-empty DST, replacing its model files")
     p.set_defaults(func=cmd_convert)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import torch
 
@@ -21,12 +22,15 @@ from decoderlm.cli.common import (
 )
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.finetune import resume
 from decoderlm.inspect import checks, report
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
 from decoderlm.model import Transformer
 from decoderlm.quantize import quantize
+from decoderlm.train import checkpoint
+from decoderlm.train.state import TrainState
 
 DEFAULT_CONTEXT = 8192
 
@@ -46,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_inspect, short=True, json=False, compare=None)
 
     p = sub.add_parser("check", help="test causality, KV-cache agreement or the ability to overfit; exit 1 on FAIL")
-    p.add_argument("property", choices=("causal", "kv-cache", "overfit"))
+    p.add_argument("property", choices=("causal", "kv-cache", "overfit"),
+                   help="causal: no token sees a later one; kv-cache: cached decoding equals a full forward; overfit: it learns one batch")
     add_model_source(p, help=f"a loadable model: {MODEL_HELP}")
     p.add_argument("--preset", help="instead of --model: a fresh random model of this preset or ModelConfig .json")
     add_model_flags(p)
@@ -64,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", required=True, help="PNG file to write")
     a = what.add_parser("attention", help="attention weights of every head of one layer for a prompt")
     add_model_source(a)
-    a.add_argument("--prompt", required=True)
+    a.add_argument("--prompt", required=True, help="the text whose attention weights are drawn")
     a.add_argument("--layer", type=int, default=0, help="layer index (negative counts from the end)")
     a.add_argument("--out", required=True, help="PNG file to write")
     add_model_flags(a)
@@ -120,8 +125,25 @@ def run_inspect(args: argparse.Namespace) -> int:
     elif len(accs) > 1:
         print(report.compare(accs, names, context, args.batch))
     else:
-        print((report.short if args.short else report.report)(accs[0], context, args.batch))
+        progress = run_progress(sources[0])
+        print(*([progress] if progress else []), (report.short if args.short else report.report)(accs[0], context, args.batch), sep="\n")
     return 0
+
+
+def run_progress(source: str) -> str | None:
+    """A training or fine-tuning run folder's progress (step, best val loss, tokens seen); None for other sources."""
+    path = Path(source)
+    if (path / checkpoint.CKPT_NAME).is_file():
+        saved = checkpoint.read(path)
+        max_steps, kind = saved.get("train_config", {}).get("max_steps", saved["step"]), "training run"
+    elif (path / resume.STATE_NAME).is_file():
+        saved = resume.read_state(path)
+        max_steps, kind = saved["settings"]["max_steps"], f"{saved['settings']['method']} run"
+    else:
+        return None
+    state = TrainState()
+    state.load_state_dict({"history": [], "window": (0.0, 0)} | saved)
+    return f"{kind}: {state.describe(max_steps)}"
 
 
 def run_check(args: argparse.Namespace) -> int:

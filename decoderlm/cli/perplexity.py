@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from decoderlm.cli.common import add_model_flags, load_model
+from decoderlm.cli.common import add_model_flags, add_model_source, load_model, model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.perplexity import perplexity
@@ -18,11 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a model on a text file (sliding windows)",
                        description="Each window of --context tokens starts --stride tokens after the previous one and scores only "
                                    "the tokens the previous window did not, so every token is scored once.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"run folder, HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    add_model_source(p, default=DEFAULT_MODEL)
     p.add_argument("--data", required=True, help="UTF-8 text file")
     p.add_argument("--context", type=int, default=None, help=f"window length in tokens (default: {DEFAULT_CONTEXT}, or the model's context if shorter)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half the context)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first M tokens of the data")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first M tokens of the data (default: all)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_model_flags(p)
@@ -39,7 +39,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     ids = tok.encode(text)[: args.max_tokens]
     result = perplexity(model, ids, context, stride, args.batch_size, tokenizer=tok, progress=None)
     if args.json:
-        print(json.dumps({"model": str(args.model), "data": str(args.data), **result.to_dict()}))
+        print(json.dumps({"model": model_source(args), "data": str(args.data), **result.to_dict()}))
         return 0
     per_char = "" if result.bits_per_char is None else f", {result.bits_per_char:.4f} bits/char, {result.bits_per_byte:.4f} bits/byte"
     print(f"perplexity {result.perplexity:.4f} over {result.tokens_scored:,} tokens (nll {result.nll_per_token:.4f}/token{per_char})")

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)", epilog=SAMPLING_EPILOG)
     add_model_source(p, default=DEFAULT_MODEL)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)

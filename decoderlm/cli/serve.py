@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from decoderlm.cli.common import add_model_flags, load_model
+from decoderlm.cli.common import add_model_flags, add_model_source, load_model, model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
 
@@ -25,10 +25,10 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mi
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)",
                        epilog="Example: decoderlm serve --port 8000, then: curl http://127.0.0.1:8000/v1/models")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"HF folder, .gguf file or known name (default: {DEFAULT_MODEL})")
+    add_model_source(p, default=DEFAULT_MODEL)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together in one step")
     p.add_argument("--kv-cache-memory", default=None, help="KV-cache pool size, e.g. 512MiB, 1GiB, 2GB (default: the engine's)")
     add_model_flags(p, quantize="auto")
@@ -83,10 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         engine, tokenizer = in_passing_thread(build)
         model = engine.model
-        app = create_app(engine, tokenizer, args.model, args.api_key, max_seq_len=model.config.max_seq_len,
+        app = create_app(engine, tokenizer, model_source(args), args.api_key, max_seq_len=model.config.max_seq_len,
                          sampling_defaults=model.generation_defaults)
         host, port = sock.getsockname()[:2]
-        print(f"serving {args.model} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()
         try:
             serve(app, engine, sock)

@@ -14,7 +14,8 @@ from decoderlm.speculative import Decoding, DraftModel, PromptLookup, check_voca
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (plain decoding's greedy output or sampling distribution, in fewer target forwards)")
     g.add_argument("--draft-model", default=None, metavar="NAME_OR_PATH",
-                   help="a smaller model with the same tokenizer guesses tokens that the model checks in one forward")
+                   help="a smaller model with the same tokenizer guesses tokens that the model checks in one forward "
+                        "(default: none, plain decoding)")
     g.add_argument("--prompt-lookup", type=int, nargs="?", const=3, default=None, metavar="N",
                    help="guess the tokens that followed the latest match of the text's last N tokens (default N: 3); "
                         "pays when the reply repeats the prompt")

@@ -2,7 +2,7 @@
 
 The data are read and checked, then tokenized once; an eval split is held out. The method is an
 `Objective` (decoderlm.finetune.objectives) run by pretraining's loop, which writes the model out
-(`fit`'s export) wherever pretraining would save a checkpoint.
+(an `ExportSaver`) wherever pretraining would save a checkpoint.
 The run folder is a model any command loads: an HF folder after full fine-tuning, or a PEFT adapter
 (adapter_config.json names the base) after LoRA, which `load` merges into the base; beside it,
 finetune_state.pt lets a stopped run continue (`--resume`, see decoderlm.finetune.resume).
@@ -36,6 +36,7 @@ from decoderlm.model.transformer import IGNORE_INDEX
 from decoderlm.names import KNOWN
 from decoderlm.train.config import FIELDS, TRAIN_SEED, TrainConfig, validate
 from decoderlm.train.distributed import World
+from decoderlm.train.saver import ExportSaver
 from decoderlm.train.trainer import evaluate, fit, objective_metrics
 
 METHODS = ("sft", "dpo")
@@ -242,7 +243,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             "evaluations": objective.evaluations if isinstance(objective, DPOObjective) else []})
 
     continued = {**state, "model": model.state_dict()} if state is not None else {}
-    result = fit(model, objective, loop, out, continued, tokenizer, device=device, export=export)
+    result = fit(model, objective, loop, out, continued, tokenizer, device=device, saver=ExportSaver(export, out))
     summary = {"settings": dataclasses.asdict(cfg), "step": result["step"], "eval_loss_before": before}
     if isinstance(objective, DPOObjective):
         summary["eval"] = objective.evaluations  # before training, then at each evaluation

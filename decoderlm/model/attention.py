@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, L, D): every token so far
-        # Under CPU bf16 autocast (training with --precision bf16) attention runs in fp32: the CPU's bf16
+        # Under CPU bf16 autocast (training with --dtype bfloat16) attention runs in fp32: the CPU's bf16
         # flash-attention backward is ~7x slower than fp32's at small head sizes, while the projections
         # around it keep bf16's speed. Without autocast, or on a GPU, nothing changes.
         upcast = q.device.type == "cpu" and torch.is_autocast_enabled("cpu")

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from decoderlm.config import PRESETS
-from decoderlm.device import DEVICES, resolve_device
+from decoderlm.device import DEVICE_HELP, resolve_device
 from decoderlm.errors import DecoderLMError
 
 FIXED, RUN, SESSION = "fixed", "run", "session"
-PRECISIONS = ("fp32", "bf16")
+DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")
 TRAIN_SEED = 1337  # every training command (train, sft, dpo) is reproducible by default, as nanoGPT's is
 
@@ -58,7 +58,8 @@ class TrainConfig:
     max_steps: int | None = setting("optimizer steps to train for; with --resume a larger value extends the run", RUN, 2000)
     decay_steps: int | None = setting("steps the warmup + cosine schedule spans (default: --max-steps); "
                                       "after them the lr stays at --min-lr", FIXED)
-    stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged", SESSION)
+    stop_after: int | None = setting("stop after this step with a checkpoint, to --resume later; the schedule is unchanged "
+                                    "(default: at --max-steps)", SESSION)
     batch_size: int | None = setting("windows per micro-batch on each process; the global batch is "
                                      "batch_size x grad_accum x processes", FIXED)
     grad_accum: int | None = setting("micro-batches whose gradients are summed before each optimizer step", FIXED, 1)
@@ -78,15 +79,16 @@ class TrainConfig:
     scheduled_sampling: float | None = setting("scheduled sampling: replace input tokens by the model's own predictions "
                                                "with a probability ramping from 0 to this over --decay-steps", FIXED, 0.0)
     seed: int | None = setting("seed for the initial weights, batches and dropout", FIXED, TRAIN_SEED)
-    precision: str | None = setting("fp32, or bf16 autocast (matmuls in bfloat16, weights and optimizer in fp32)",
-                                    FIXED, "fp32", PRECISIONS)
+    dtype: str | None = setting("float32, or bfloat16 autocast (matmuls in bfloat16, weights and optimizer in float32)",
+                                FIXED, "float32", DTYPES)
     fsdp: bool = switch("shard parameters, gradients and optimizer state across processes (FSDP2) instead of "
                         "replicating them (DDP); checkpoints are then sharded (torch.distributed.checkpoint)", FIXED)
     eval_interval: int | None = setting("evaluate on the val split and save a checkpoint every this many steps", RUN, 250)
     save_interval: int | None = setting("also save the checkpoint every this many steps (default: at evaluations only)", RUN)
     eval_batches: int | None = setting("evaluate on this many batches of 64 val windows (default: the whole val split)", RUN)
     log_interval: int | None = setting("log the train loss every this many steps", RUN, 10)
-    device: str | None = setting("where to train", SESSION, "cpu", DEVICES)
+    device: str | None = setting(f"where to train: {DEVICE_HELP} (under torchrun: cuda, each process its own GPU)",
+                                 SESSION, "cpu")
     threads: int | None = setting("CPU threads for torch (default: torch's choice)", SESSION)
     compile: bool = switch("torch.compile the model (faster steps; the compiled code is cached in "
                            "~/.cache/decoderlm/inductor, so only a machine's first run waits for it)")
@@ -239,8 +241,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise DecoderLMError(f"--optimizer {cfg.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
     if cfg.optimizer == "muon" and cfg.fsdp:
         raise DecoderLMError("--optimizer muon needs each matrix whole, and --fsdp shards them; drop one of the two")
-    if cfg.precision not in PRECISIONS:
-        raise DecoderLMError(f"--precision {cfg.precision!r} is not supported; use one of {', '.join(PRECISIONS)}")
+    if cfg.dtype not in DTYPES:
+        raise DecoderLMError(f"--dtype {cfg.dtype!r} is not supported for training; use one of {', '.join(DTYPES)}")
     parse_sets(cfg.set)
     resolve_device(cfg.device)
     return cfg

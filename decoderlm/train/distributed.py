@@ -50,8 +50,10 @@ def setup(device: str, timeout_s: int) -> World:
     if size == 1:
         return World()
     world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
-    if device == "mps":
+    if device.startswith("mps"):
         raise DecoderLMError("torchrun with --device mps is not supported; use --device cpu or cuda")
+    if device.startswith("cuda:"):
+        raise DecoderLMError(f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; use --device cuda")
     if device == "cuda":
         torch.cuda.set_device(world.local_rank)
     if not dist.is_initialized():
