@@ -26,7 +26,7 @@ from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
 from decoderlm.model import Transformer
-from decoderlm.quantize import quantize
+from decoderlm.quantize import parse_mode, quantize
 
 DEFAULT_CONTEXT = 8192
 
@@ -139,8 +139,9 @@ def run_check(args: argparse.Namespace) -> int:
             torch.manual_seed(seed)
             with torch.device(device):
                 model = Transformer(config).to(resolve_dtype(args.dtype)).eval()
-            if args.quantize not in ("none", "auto"):  # auto keeps a float model float
-                quantize(model, args.quantize)
+            mode = parse_mode(args.quantize)
+            if mode not in (None, "auto"):  # auto keeps a float model float
+                quantize(model, mode)
             result = _check_model(args.property, model, args, seed)
     else:
         result = _check_model(args.property, load_model(args)[0], args, seed)

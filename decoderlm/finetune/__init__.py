@@ -4,7 +4,7 @@ What changes from pretraining is only what a batch is and how its loss is comput
 `objectives` (SFTObjective, DPOObjective); the loop is pretraining's, `decoderlm.train.trainer.fit`.
 """
 
-from decoderlm.finetune.lora import apply_lora, merge_lora
 from decoderlm.finetune.run import FinetuneConfig, finetune
+from decoderlm.model.lora import apply_lora, merge_lora
 
 __all__ = ["FinetuneConfig", "apply_lora", "finetune", "merge_lora"]

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.model import Transformer
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
@@ -141,7 +142,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     except RuntimeError as e:  # gloo reports a timeout or a closed peer as a plain RuntimeError
         if not (world.distributed and lost_contact(e)):
             raise
-        step = checkpoint.last_step(out)
+        step = runs.last_step(out)
         where = (f"the last checkpoint in {out} (step {step}) is intact; --resume continues from it" if step is not None
                  else "no checkpoint was saved yet")
         raise DecoderLMError(f"rank {world.rank}: lost contact with the other processes ({type(e).__name__}: "
@@ -199,7 +200,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
     step, window_loss, window_steps, tokens_seen, best = 0, 0.0, 0, 0, float("inf")
     if "optimizer" in state:
         if state.get("sharded"):
-            checkpoint.load_sharded(out / state["sharded"], model, optimizer)
+            runs.load_sharded(out / state["sharded"], model, optimizer)
         else:
             optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"], objective, device, world)
@@ -227,7 +228,7 @@ def fit(model: Transformer, objective: Objective, cfg: TrainConfig, out: Path, s
         if world.main:
             checkpoint.save(out, {
                 "model": {}, "optimizer": {}, **weights, "step": step, "rng": rng, "config": model.config.to_dict(),
-                "tokenizer": checkpoint.tokenizer_to_dict(tokenizer), "train_config": dataclasses.asdict(cfg),
+                "tokenizer": runs.tokenizer_to_dict(tokenizer), "train_config": dataclasses.asdict(cfg),
                 "history": history, "window": (window_loss, window_steps), "tokens_seen": tokens_seen, "best_val": best,
                 "world_size": world.size,
             }, name)
@@ -316,7 +317,7 @@ def plain_model(model: Transformer, sharded: bool, world: World) -> Transformer 
 
 def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[TrainConfig, dict[str, Any], Tokenizer, tuple[Split, Split]]:
     """The run in `out` to resume: its checkpoint, its settings with this invocation's applied, its data."""
-    state = checkpoint.read(out)
+    state = runs.read(out)
     missing = [k for k in RESUME_KEYS if k not in state]
     if missing:
         raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
@@ -330,7 +331,7 @@ def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Train
                              "resume with the same number (the global batch and data order depend on it)")
     saved = {name: f.metadata["default"] for name, f in FIELDS.items() if name not in state["train_config"]} | state["train_config"]
     cfg, notes = resolve_resume(cfg, TrainConfig(**saved), state["step"])
-    tokenizer = checkpoint.tokenizer_from_dict(state["tokenizer"])
+    tokenizer = runs.tokenizer_from_dict(state["tokenizer"])
     splits = read_data(cfg, out, tokenizer)
     check_sizes(max(map(len, splits[0])), sum(map(len, splits[1])), cfg.context, cfg.eval_batches, f"run folder {out}")
     if world.main:
