@@ -16,7 +16,7 @@ import torch
 from decoderlm import names
 from decoderlm.device import resolve_device
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats import detect, peft, runs
+from decoderlm.formats import Format, detect, peft, runs
 from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections
 from decoderlm.model.lora import merge_lora
@@ -62,7 +62,7 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     return model, tokenizer
 
 
-def _load(source: str | Path, path: Path, kind: str | None, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer]:
+def _load(source: str | Path, path: Path, kind: Format | None, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer]:
     if kind == "run":
         return runs.load_run(path, torch_dtype, device)
     if kind == "peft":  # a LoRA run: its base with the adapter merged in

@@ -8,6 +8,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.speculative import Decoding, DraftModel, PromptLookup, check_vocabularies
+from decoderlm.tokenizer import Tokenizer
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K", help="tokens guessed per step (default: 5)")
 
 
-def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) -> Decoding:
+def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer) -> Decoding:
     """The decoding the flags ask for; a draft model is loaded like the model (--dtype, --quantize)."""
     if args.draft_model is not None and args.prompt_lookup is not None:
         raise DecoderLMError("choose one of --draft-model and --prompt-lookup")
