@@ -42,12 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from decoderlm import isa
+from decoderlm.formats import runs
 from decoderlm.generate import decode_step, prefill
 from decoderlm.kv_cache import KVCache
 from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.model.transformer import lm_loss
-from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.train import TrainConfig, train
 from decoderlm.train.data import eval_windows, load_splits, token_dtype
 
 PREFIX, OWN, SCORE = 32, 16, 16  # a window fills seed-char's 64-token context (63 inputs)
@@ -57,8 +58,8 @@ BATCH = 256  # windows per forward
 def train_run(data: str, out: Path, steps: int, seed: int, p: float, threads: int | None, quick: bool) -> Path:
     """One seed-char run in `out`, unless `out` already holds this very run finished (same data, steps,
     seed and P): then it is reused, so an interrupted benchmark need not retrain."""
-    if (out / checkpoint.CKPT_NAME).is_file():
-        state = checkpoint.read(out)
+    if (out / runs.CKPT_NAME).is_file():
+        state = runs.read(out)
         saved = state["train_config"]
         same = (saved["data"], saved["max_steps"], saved["seed"], saved["scheduled_sampling"], saved["preset"]) == (
             str(Path(data).resolve()), steps, seed, p, "seed-char")

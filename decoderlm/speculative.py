@@ -30,6 +30,7 @@ from decoderlm.generate import Proposer, SpeculativeStats, Step, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, scores, warp
+from decoderlm.tokenizer import Tokenizer
 
 # --- proposers --------------------------------------------------------------------------------------
 
@@ -124,21 +125,15 @@ class DraftModel:
         return logits[:, : self.vocab_size]
 
 
-def check_vocabularies(target_tokenizer, draft_tokenizer) -> None:
+def check_vocabularies(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer) -> None:
     """A draft must map text to the same ids as the target; raise a one-line error if it does not."""
-    target, draft = _vocabulary(target_tokenizer), _vocabulary(draft_tokenizer)
+    target, draft = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if target != draft:
         differ = sum(draft.get(token) != i for token, i in target.items())
         raise DecoderLMError(f"the draft model's tokenizer differs from the target's ({len(draft)} vs {len(target)} tokens, "
                              f"{differ} of the target's map to other ids); a draft must share the target's tokenizer")
 
 
-def _vocabulary(tokenizer) -> dict[str, int]:
-    if hasattr(tokenizer, "tokenizer"):  # HFTokenizer
-        return tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-    if hasattr(tokenizer, "stoi"):  # CharTokenizer
-        return dict(tokenizer.stoi)
-    raise DecoderLMError(f"cannot compare a {type(tokenizer).__name__} with another tokenizer; use a draft from the same family")
 
 
 class Decoding:

@@ -21,6 +21,7 @@ from decoderlm import names
 from decoderlm.cli import build_parser
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.jsonio import read_json
 from decoderlm.loader import load, resolve_device
 from decoderlm.model import Transformer
@@ -222,10 +223,10 @@ def test_one_json_reader(tmp_path):
 
 
 def test_run_folders_saved_before_extra_was_removed_still_load(models, tmp_path):
-    state = checkpoint.read(models / "run")
+    state = runs.read(models / "run")
     state["config"] = state["config"] | {"extra": {}}  # what ModelConfig.to_dict wrote then
     checkpoint.save(tmp_path, state)
     old, _ = load(tmp_path)
-    assert old.config == ModelConfig.from_dict(checkpoint.read(models / "run")["config"])
+    assert old.config == ModelConfig.from_dict(runs.read(models / "run")["config"])
     with pytest.raises(DecoderLMError, match="unknown ModelConfig fields: extra"):
         ModelConfig.from_dict(old.config.to_dict() | {"extra": {"x": 1}})  # one that held something is not silently dropped

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import decoderlm
-from decoderlm.train import TrainConfig, checkpoint, train, trainer
+from decoderlm.formats import runs
+from decoderlm.train import TrainConfig, train, trainer
 from conftest import corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def torchrun(*args: str, nproc: int = 2, check: bool = True) -> subprocess.Compl
 
 
 def losses(run: Path) -> list[tuple]:
-    return [(r["step"], r["train_loss"], r["val_loss"], r["tokens_seen"]) for r in checkpoint.read(run)["history"]]
+    return [(r["step"], r["train_loss"], r["val_loss"], r["tokens_seen"]) for r in runs.read(run)["history"]]
 
 
 def assert_close(a: list[tuple], b: list[tuple]) -> None:
@@ -65,7 +66,7 @@ def assert_close(a: list[tuple], b: list[tuple]) -> None:
 
 def weights_differ(a: Path, b: Path) -> float:
     """The largest difference between two runs' final weights."""
-    wa, wb = checkpoint.read(a)["model"], checkpoint.read(b)["model"]
+    wa, wb = runs.read(a)["model"], runs.read(b)["model"]
     assert wa.keys() == wb.keys()
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
@@ -103,7 +104,7 @@ def test_ddp_stopped_and_resumed_equals_an_uninterrupted_run(setup):
     out = str(setup / "ddp-resumed")
     torchrun("-m", "decoderlm", "train", "--data", str(setup / "corpus.txt"), "--out", out, *MODEL,
              *flags(batch_size=2, stop_after=3, **COMMON), *TIMEOUT)
-    state = checkpoint.read(out)
+    state = runs.read(out)
     assert state["step"] == 3 and state["world_size"] == 2 and len(state["rng"]["ranks"]) == 2
     torchrun("-m", "decoderlm", "train", "--out", out, "--resume", *TIMEOUT)
     assert_close(losses(Path(out)), losses(setup / "one"))
@@ -151,4 +152,4 @@ def test_a_hung_process_is_a_clear_error_and_the_last_checkpoint_stays_intact(se
     assert done.returncode != 0
     assert "rank 0: lost contact with the other processes" in done.stderr
     assert f"the last checkpoint in {out} (step 4) is intact; --resume continues from it" in done.stderr
-    assert checkpoint.read(out)["step"] == 4
+    assert runs.read(out)["step"] == 4

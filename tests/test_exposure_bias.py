@@ -12,9 +12,9 @@ from conftest import corpus_text, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decoderlm.formats import runs
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
-from decoderlm.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("exposure_bias", ROOT / "benchmarks" / "exposure_bias.py")
@@ -72,7 +72,7 @@ def test_quick_run_measures_both_models_and_reuses_finished_runs(tmp_path):
     threads = torch.get_num_threads()
     try:
         result = bench.main(argv)
-        ckpt = tmp_path / "runs" / "seed1337-p0.5" / checkpoint.CKPT_NAME
+        ckpt = tmp_path / "runs" / "seed1337-p0.5" / runs.CKPT_NAME
         stamp = ckpt.stat().st_mtime_ns
         again = bench.main(argv)
     finally:
@@ -80,7 +80,7 @@ def test_quick_run_measures_both_models_and_reuses_finished_runs(tmp_path):
     assert ckpt.stat().st_mtime_ns == stamp  # reused, not retrained
     assert json.loads((tmp_path / "out" / "exposure_bias.json").read_text())["rows"] == again["rows"]
     assert [(r["p"], r["seed"]) for r in result["rows"]] == [(0.0, 1337), (0.5, 1337)]
-    assert checkpoint.read(tmp_path / "runs" / "seed1337-p0.5")["train_config"]["scheduled_sampling"] == 0.5
+    assert runs.read(tmp_path / "runs" / "seed1337-p0.5")["train_config"]["scheduled_sampling"] == 0.5
     for row, other in zip(result["rows"], again["rows"]):
         assert row["windows"] == 32 and len(row["true_context_curve"]) == SCORE
         for kind in ("greedy", "sampled"):

@@ -1,5 +1,7 @@
 """The package's layering is a checked contract (`.importlinter`, run by import-linter): the server,
-the decoding loops, the caches, the model, the weight formats and the config import only downwards."""
+the decoding loops, the caches, the model, the weight formats and the config import only downwards;
+so do fine-tuning, training, the loader (and inspect), the checkpoint formats, the model and the
+tokenizer; and no two modules, nor two packages, import each other (not even inside a function)."""
 
 from __future__ import annotations
 

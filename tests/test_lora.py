@@ -9,7 +9,8 @@ import torch
 import decoderlm
 from conftest import tiny_model
 from decoderlm.errors import DecoderLMError
-from decoderlm.finetune.lora import apply_lora, load_adapter, lora_layers, merge_lora, save_adapter
+from decoderlm.formats.peft import load_adapter, save_adapter
+from decoderlm.model.lora import apply_lora, lora_layers, merge_lora
 from hf_models import make_hf_model, prompt_ids
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]

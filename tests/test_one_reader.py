@@ -97,3 +97,16 @@ def test_inspect_reads_gguf_rope_scaling_as_load_does(tmp_path):
     spec = read_spec(tmp_path / "m.gguf")
     assert spec.rope_scaling == LLAMA3
     assert_describes(spec, model)
+
+
+def test_one_detect_tells_the_formats_apart(tmp_path):
+    """`load` and `inspect` both ask `formats.detect` what a path holds; a run folder wins over a config.json beside it."""
+    from decoderlm.formats import detect
+
+    files = {"run/ckpt.pt": b"", "run/config.json": b"{}", "adapter/adapter_config.json": b"{}", "hf/config.json": b"{}",
+             "m.gguf": b"", "c.json": b"{}", "notes.txt": b"", "empty/x.txt": b""}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    kinds = {name: detect(tmp_path / name) for name in ("run", "adapter", "hf", "m.gguf", "c.json", "notes.txt", "empty", "missing")}
+    assert kinds == {"run": "run", "adapter": "peft", "hf": "hf", "m.gguf": "gguf", "c.json": "json", "notes.txt": None, "empty": None, "missing": None}

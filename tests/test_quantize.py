@@ -19,6 +19,7 @@ from conftest import SHAKESPEARE
 
 from decoderlm import quantize as q
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats.build import TensorByTensor
 from decoderlm.formats.gguf import unpack_blocks
 from decoderlm.formats.hf import load_hf
 from decoderlm.generate import generate
@@ -227,6 +228,27 @@ def test_quantized_tiny_families_stay_close_to_fp32(tmp_path, case, mode):
     rel = (out - ref).norm() / ref.norm()
     assert rel < (0.03 if mode == "int8" else 0.45), rel
 
+
+
+@pytest.mark.parametrize("case", ["qwen2-bias-tied", "mixtral"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_a_model_and_loading_it_tensor_by_tensor_make_the_same_layers(tmp_path, case, mode):
+    """One rule (`quantize.quantized_layers`) decides what each weight becomes, whether a whole model is quantized or a
+    file's tensors arrive one at a time: the same layer everywhere (the tied LM head shared by the embedding, the MoE
+    router kept float) and the same logits."""
+    make_hf_model(case, tmp_path)
+    whole, _ = load_hf(tmp_path, torch.float32)
+    fill = TensorByTensor(whole.config, torch.float32, "cpu", mode)
+    for name, value in sorted(whole.named_parameters(), key=lambda item: not item[0].endswith(".bias")):  # biases first, as GGUF files order them
+        fill.put(name, value.detach())
+    one_by_one, missing = fill.finish()
+    q.quantize(whole, mode)
+    assert not missing
+    assert {n: type(m) for n, m in one_by_one.named_modules()} == {n: type(m) for n, m in whole.named_modules()}
+    shared = [model.embed_tokens.tied == (model.lm_head,) for model in (whole, one_by_one)]
+    assert shared[0] == shared[1]
+    with torch.no_grad():
+        assert torch.equal(one_by_one(prompt_ids(24)).logits, whole(prompt_ids(24)).logits)
 
 @pytest.fixture(scope="module")
 def smollm2_reference():

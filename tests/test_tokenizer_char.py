@@ -34,3 +34,13 @@ def test_unseen_character_is_a_clear_error():
 def test_empty_corpus_is_an_error():
     with pytest.raises(DecoderLMError, match="empty"):
         CharTokenizer.from_text("")
+
+
+def test_a_char_tokenizer_is_a_tokenizer_without_specials_or_chat():
+    """What callers ask of any `Tokenizer`, answered without special tokens: nothing to add, no chat template."""
+    tok = CharTokenizer.from_text("hello world")
+    assert tok.encode("hello", add_special_tokens=False) == tok.encode("hello")
+    assert tok.get_vocab() == {c: i for i, c in enumerate(tok.chars)} and tok.bos_token_id is None and tok.eos_token_ids == []
+    assert tok.chat_template is None
+    with pytest.raises(DecoderLMError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hello"}])

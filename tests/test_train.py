@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.loader import load
 from decoderlm.train import TrainConfig, checkpoint, train
 from decoderlm.train.data import eval_windows, get_batch
@@ -54,14 +55,14 @@ def test_resume_is_exact(corpus, tmp_path):
     resumed = train(TrainConfig(data=None, out=str(tmp_path / "split"), resume=True))  # max_steps from the run
 
     def losses(run):
-        return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in checkpoint.read(run)["history"]]
+        return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in runs.read(run)["history"]]
 
     assert resumed["step"] == 40
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
     a, b = whole["model"].state_dict(), resumed["model"].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["val_loss"] == whole["val_loss"]
-    ends = [checkpoint.read(tmp_path / name) for name in ("whole", "split")]
+    ends = [runs.read(tmp_path / name) for name in ("whole", "split")]
     assert ends[0]["rng"].keys() == ends[1]["rng"].keys() == {"torch", "batch"}
     assert all(torch.equal(ends[0]["rng"][k], ends[1]["rng"][k]) for k in ends[0]["rng"])
     moments = [[s[m] for s in end["optimizer"]["state"].values() for m in ("exp_avg", "exp_avg_sq")] for end in ends]
@@ -71,7 +72,7 @@ def test_resume_is_exact(corpus, tmp_path):
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, monkeypatch):
     out = tmp_path / "run"
     small_run(corpus, out, max_steps=30, stop_after=10)
-    before = checkpoint.read(out)
+    before = runs.read(out)
 
     def crash(obj, f, *args, **kwargs):
         f.write(b"PK\x03\x04 half a zip")  # some bytes reach the disk, then the process dies
@@ -81,7 +82,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(data=None, out=str(out), resume=True))
     monkeypatch.undo()
-    after = checkpoint.read(out)
+    after = runs.read(out)
     assert not (out / "ckpt.pt.tmp").exists()
     assert after["step"] == before["step"] == 10
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
@@ -113,7 +114,7 @@ class _RunsCodeWhenUnpickled:
 def test_checkpoint_never_runs_pickled_code(corpus, tmp_path):
     out, marker = tmp_path / "run", tmp_path / "code-ran"
     small_run(corpus, out, max_steps=10)
-    state = checkpoint.read(out)
+    state = runs.read(out)
     checkpoint.save(out, state | {"payload": _RunsCodeWhenUnpickled(marker)})
     with pytest.raises(DecoderLMError, match="never unpickles code"):
         load(out)
@@ -122,7 +123,7 @@ def test_checkpoint_never_runs_pickled_code(corpus, tmp_path):
 
 def test_training_lowers_the_loss_and_writes_the_run_folder(corpus, tmp_path):
     result = small_run(corpus, tmp_path / "run", max_steps=60, eval_interval=30)
-    history = checkpoint.read(tmp_path / "run")["history"]
+    history = runs.read(tmp_path / "run")["history"]
     assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.5
     assert result["val_loss"] < math.log(result["tokenizer"].vocab_size)  # better than uniform
     for name in ("ckpt.pt", "log.csv", "log.json", "loss.png", "train.bin", "val.bin"):
@@ -140,6 +141,6 @@ def test_starting_over_an_existing_run_is_refused(corpus, tmp_path):
 def test_evaluation_follows_its_own_interval_whatever_the_log_interval(corpus, tmp_path):
     """eval every 6 steps, log every 4: val losses at 6 and 12 (not only at their common multiple 12)."""
     small_run(corpus, tmp_path / "run", max_steps=12, eval_interval=6, log_interval=4)
-    rows = checkpoint.read(tmp_path / "run")["history"]
+    rows = runs.read(tmp_path / "run")["history"]
     assert [r["step"] for r in rows] == [4, 6, 8, 12]
     assert [r["step"] for r in rows if r["val_loss"] is not None] == [6, 12]

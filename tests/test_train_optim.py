@@ -10,8 +10,9 @@ from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.model import Transformer
-from decoderlm.train import TrainConfig, checkpoint, train, trainer
+from decoderlm.train import TrainConfig, train, trainer
 from decoderlm.train.config import resolve_new
 from decoderlm.train.optim import MuonAdamW, make_optimizer
 from decoderlm.train.schedule import lr_at
@@ -41,7 +42,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest():
 
 def test_a_muon_run_learns_and_follows_the_schedule(corpus, tmp_path):
     run(corpus, tmp_path / "run", max_steps=40, log_interval=1, lr=3e-3, min_lr=3e-4, muon_lr=0.05)
-    state = checkpoint.read(tmp_path / "run")
+    state = runs.read(tmp_path / "run")
     losses = [r["train_loss"] for r in state["history"]]
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0  # from ~ln(vocab) well down: both optimizers move their weights
     groups = state["optimizer"]["muon"]["param_groups"]
@@ -64,9 +65,9 @@ def test_a_killed_muon_run_resumed_equals_an_uninterrupted_one(corpus, tmp_path,
     with pytest.raises(KeyboardInterrupt):
         run(corpus, tmp_path / "killed", max_steps=30, dropout=0.1)
     monkeypatch.undo()
-    assert checkpoint.read(tmp_path / "killed")["step"] == 10
+    assert runs.read(tmp_path / "killed")["step"] == 10
     resumed = train(TrainConfig(out=str(tmp_path / "killed"), resume=True))
-    a, b = (checkpoint.read(tmp_path / name) for name in ("whole", "killed"))
+    a, b = (runs.read(tmp_path / name) for name in ("whole", "killed"))
     curve = [[(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in s["history"]] for s in (a, b)]
     assert curve[0] == curve[1]
     sa, sb = whole["model"].state_dict(), resumed["model"].state_dict()

@@ -16,6 +16,7 @@ import decoderlm
 import decoderlm.cli
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.model import Transformer
 from decoderlm.model.transformer import lm_loss
 from decoderlm.train import TrainConfig, checkpoint, train, trainer
@@ -33,7 +34,7 @@ def run(corpus, out, **settings) -> dict:
 
 
 def rows(out) -> list[dict]:
-    return checkpoint.read(out)["history"]
+    return runs.read(out)["history"]
 
 
 def test_seed_char_llama_has_seed_chars_parameter_count_within_5_percent():
@@ -105,10 +106,10 @@ def test_best_and_last_checkpoints_and_save_interval(corpus, tmp_path, monkeypat
     monkeypatch.setattr(checkpoint, "save", save)
     run(corpus, tmp_path / "r", max_steps=12, eval_interval=6, save_interval=4)
     assert [s for s, n in saves if n == "ckpt.pt"] == [4, 6, 8, 12]
-    best = checkpoint.read(tmp_path / "r")["best_val"]
-    assert checkpoint.read_path(tmp_path / "r" / "best.pt")["history"][-1]["val_loss"] == best
+    best = runs.read(tmp_path / "r")["best_val"]
+    assert runs.read_path(tmp_path / "r" / "best.pt")["history"][-1]["val_loss"] == best
     info = json.loads((tmp_path / "r" / "run.json").read_text())
-    assert info["parameters"] == Transformer(ModelConfig.from_dict(checkpoint.read(tmp_path / "r")["config"])).num_parameters()
+    assert info["parameters"] == Transformer(ModelConfig.from_dict(runs.read(tmp_path / "r")["config"])).num_parameters()
     assert rows(tmp_path / "r")[-1]["tokens_seen"] == 12 * 4 * 16
 
 

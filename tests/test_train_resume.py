@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.train import TrainConfig, checkpoint, train, trainer
+from decoderlm.formats import runs
+from decoderlm.train import TrainConfig, train, trainer
 from decoderlm.train.config import FIELDS, FIXED, flag, resolve_new, resolve_resume
 from decoderlm.train.state import TrainState
 
@@ -28,7 +29,7 @@ def resume(out, **overrides) -> dict:
 
 
 def history(out) -> list[tuple]:
-    return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in checkpoint.read(out)["history"]]
+    return [(r["step"], r["train_loss"], r["val_loss"], r["lr"]) for r in runs.read(out)["history"]]
 
 
 def train_state(saved: dict) -> TrainState:
@@ -60,11 +61,11 @@ def test_a_killed_run_resumed_equals_an_uninterrupted_one(corpus, tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         run(corpus, tmp_path / "killed", max_steps=40, dropout=0.2)
     monkeypatch.undo()
-    assert checkpoint.read(tmp_path / "killed")["step"] == 20
+    assert runs.read(tmp_path / "killed")["step"] == 20
     resumed = resume(tmp_path / "killed")
     assert history(tmp_path / "killed") == history(tmp_path / "whole")
     assert same_weights(resumed["model"], whole["model"])
-    a, b = (checkpoint.read(tmp_path / name) for name in ("whole", "killed"))
+    a, b = (runs.read(tmp_path / name) for name in ("whole", "killed"))
     assert all(torch.equal(x, y) for x, y in zip(a["rng"].values(), b["rng"].values()))
     assert torch.equal(a["optimizer"]["state"][0]["exp_avg_sq"], b["optimizer"]["state"][0]["exp_avg_sq"])
     counters = [dataclasses.replace(train_state(s), history=[]) for s in (a, b)]  # the rows' speeds differ
@@ -98,7 +99,7 @@ def stopped_run(tmp_path_factory):
 
 
 def test_the_train_state_round_trips_through_a_checkpoint(stopped_run):
-    saved = checkpoint.read(stopped_run / "run")
+    saved = runs.read(stopped_run / "run")
     state = train_state(saved)
     assert (state.step, state.tokens_seen, state.window_steps) == (5, 5 * 4 * 16, 0)
     assert state.history == saved["history"] and state.best_val == float("inf")  # not evaluated yet
@@ -135,7 +136,7 @@ def test_the_run_own_values_and_run_settings_are_accepted(stopped_run, tmp_path,
     changes apply with a note; --stop-after belongs to one invocation."""
     out = tmp_path / "run"
     shutil.copytree(stopped_run / "run", out)
-    saved = TrainConfig(**checkpoint.read(out)["train_config"])
+    saved = TrainConfig(**runs.read(out)["train_config"])
     fixed = {name: getattr(saved, name) for name in CHANGED}
     monkeypatch.chdir(stopped_run)
     fixed["data"] = "corpus.txt"  # relative, the same file
@@ -146,10 +147,10 @@ def test_the_run_own_values_and_run_settings_are_accepted(stopped_run, tmp_path,
                  "--eval-batches 1 (the run had None)"):
         assert f"note: resuming with {note}" in err
     assert result["step"] == 12
-    rows = checkpoint.read(out)["history"]
+    rows = runs.read(out)["history"]
     assert [r["step"] for r in rows if r["step"] > 5] == [6, 8, 10, 12]
     assert [r["step"] for r in rows if r["val_loss"] is not None and r["step"] > 5] == [8, 12]
-    now = TrainConfig(**checkpoint.read(out)["train_config"])
+    now = TrainConfig(**runs.read(out)["train_config"])
     assert {name: getattr(now, name) for name in CHANGED} == {name: getattr(saved, name) for name in CHANGED}
     assert (now.max_steps, now.eval_interval, now.log_interval, now.eval_batches, now.stop_after) == (12, 4, 2, 1, None)
 

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.model import Transformer, attention
 from decoderlm.model.transformer import lm_loss
-from decoderlm.train import TrainConfig, checkpoint, train
+from decoderlm.train import TrainConfig, train
 from decoderlm.train.trainer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def test_a_compiled_run_trains_like_the_eager_fp32_run(corpus, tmp_path, monkeyp
     train(TrainConfig(data=str(corpus), out=str(tmp_path / "eager"), **settings))
     train(TrainConfig(data=str(corpus), out=str(tmp_path / "compiled"), dtype=dtype, compile=True, **settings))
     assert len(graphs) == 1  # the whole forward, one graph
-    eager, compiled = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "compiled"))
+    eager, compiled = (runs.read(tmp_path / name)["history"] for name in ("eager", "compiled"))
     assert eager[-1]["train_loss"] < eager[0]["train_loss"] - 0.2
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) < tol
@@ -145,7 +146,7 @@ def test_compiled_bf16_run_trains_like_the_eager_fp32_run_and_caches_its_compile
     options = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items() if k != "set"] + [f"--set={s}" for s in SMALL["set"]]
     subprocess.run([sys.executable, "-m", "decoderlm", "train", "--data", str(corpus), "--out", str(tmp_path / "fast"), *options,
                     "--dtype", "bfloat16", "--compile"], env=env, cwd=ROOT, check=True, capture_output=True)
-    eager, fast = (checkpoint.read(tmp_path / name)["history"] for name in ("eager", "fast"))
+    eager, fast = (runs.read(tmp_path / name)["history"] for name in ("eager", "fast"))
     for a, b in zip(eager, fast, strict=True):  # the same batches: only bf16 rounding and kernel order differ
         assert abs(a["train_loss"] - b["train_loss"]) < 2e-2
     assert abs(eager[-1]["val_loss"] - fast[-1]["val_loss"]) < 2e-2

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
     source = model_source(args)
-    if getattr(tok, "chat_template", None) is None:
+    if tok.chat_template is None:
         raise DecoderLMError(f"{source} has no chat template; use `decoderlm generate --model {source} --prompt ...` instead")
     decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)

@@ -17,7 +17,7 @@ from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
 from decoderlm.quantize import MODES
 from decoderlm.sampling import SamplingParams
-from decoderlm.tokenizer import StreamDecoder
+from decoderlm.tokenizer import StreamDecoder, Tokenizer
 
 MODEL_HELP = "run folder, HF folder, .gguf file or known name"
 SEED_HELP = "seed for every random choice, for reproducible runs (default: unseeded, different each run)"
@@ -119,7 +119,7 @@ def apply_run_flags(args: argparse.Namespace) -> torch.device:
     return resolve_device(args.device)
 
 
-def load_model(args: argparse.Namespace) -> tuple[Transformer, object]:
+def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer named by --model, with --dtype, --quantize, --threads and --device applied.
     Sampling flags, where the command has them, are checked first: a bad value fails before the load."""
     source = model_source(args)

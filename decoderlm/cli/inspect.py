@@ -25,11 +25,11 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.finetune import resume
 from decoderlm.inspect import checks, report
 from decoderlm.inspect.accounting import Accounting
+from decoderlm.formats import runs
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
 from decoderlm.model import Transformer
-from decoderlm.quantize import quantize
-from decoderlm.train import checkpoint
+from decoderlm.quantize import parse_mode, quantize
 from decoderlm.train.state import TrainState
 
 DEFAULT_CONTEXT = 8192
@@ -133,8 +133,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_progress(source: str) -> str | None:
     """A training or fine-tuning run folder's progress (step, best val loss, tokens seen); None for other sources."""
     path = Path(source)
-    if (path / checkpoint.CKPT_NAME).is_file():
-        saved = checkpoint.read(path)
+    if (path / runs.CKPT_NAME).is_file():
+        saved = runs.read(path)
         max_steps, kind = saved.get("train_config", {}).get("max_steps", saved["step"]), "training run"
     elif (path / resume.STATE_NAME).is_file():
         saved = resume.read_state(path)
@@ -161,8 +161,9 @@ def run_check(args: argparse.Namespace) -> int:
             torch.manual_seed(seed)
             with torch.device(device):
                 model = Transformer(config).to(resolve_dtype(args.dtype)).eval()
-            if args.quantize not in ("none", "auto"):  # auto keeps a float model float
-                quantize(model, args.quantize)
+            mode = parse_mode(args.quantize)
+            if mode not in (None, "auto"):  # auto keeps a float model float
+                quantize(model, mode)
             result = _check_model(args.property, model, args, seed)
     else:
         result = _check_model(args.property, load_model(args)[0], args, seed)

@@ -102,7 +102,7 @@ def sample_start(tok) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args)
     decoding = decoding_from_args(args, model, tok)
-    params = sampling_params(args, model.generation_defaults, getattr(tok, "eos_token_ids", []))
+    params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
     prompt = tok.encode(args.prompt)
     tokens = decoding.stream(prompt, params)  # raises on a bad prompt before anything is printed
     print(args.prompt, end="", flush=True)

@@ -9,6 +9,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.speculative import Decoding, DraftModel, PromptLookup, check_vocabularies
+from decoderlm.tokenizer import Tokenizer
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K", help="tokens guessed per step (default: 5)")
 
 
-def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer) -> Decoding:
+def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer) -> Decoding:
     """The decoding the flags ask for: speculative with --draft-model (loaded like the model: --dtype,
     --quantize) or --prompt-lookup, else plain, through the compiled step unless --no-compile."""
     if args.draft_model is not None and args.prompt_lookup is not None:

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from decoderlm.finetune.dpo import DPOStats, Pair, dpo_loss, pair_batch, sequence_logprobs
-from decoderlm.finetune.lora import set_lora_enabled
 from decoderlm.finetune.sft import Batch, Example, batch_logits, collate, pack, sft_loss
 from decoderlm.model import Transformer
+from decoderlm.model.lora import set_lora_enabled
 from decoderlm.model.transformer import IGNORE_INDEX
 from decoderlm.train.config import TrainConfig
 from decoderlm.train.scheduled_sampling import ScheduledSampling

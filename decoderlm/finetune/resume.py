@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.train import checkpoint
 from decoderlm.train.config import flag
 
@@ -62,7 +63,7 @@ def read_state(out: str | Path) -> dict[str, Any]:
         raise DecoderLMError(f"{out} holds {what} without {STATE_NAME}, so there is nothing to resume; "
                              "start a new run with another --out")
     try:
-        return checkpoint.read_path(path)
+        return runs.read_path(path)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # a cut or foreign file
         raise DecoderLMError(f"{path} is truncated or corrupt ({type(e).__name__}); start a new run with another --out") from None
 

@@ -26,12 +26,13 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.finetune import resume
 from decoderlm.finetune.data import as_messages, check_chat, check_pair, read_jsonl
 from decoderlm.finetune.dpo import encode_pair
-from decoderlm.finetune.lora import apply_lora, save_adapter, trainable_summary
 from decoderlm.finetune.objectives import DPOObjective, SFTObjective, frozen_copy
 from decoderlm.finetune.sft import check_chat_tokenizer, encode_chat, pack
 from decoderlm.formats.hf import save_hf
+from decoderlm.formats.peft import save_adapter
 from decoderlm.loader import load
 from decoderlm.model import Transformer
+from decoderlm.model.lora import apply_lora
 from decoderlm.model.transformer import IGNORE_INDEX
 from decoderlm.names import KNOWN
 from decoderlm.train.config import FIELDS, TRAIN_SEED, TrainConfig, validate
@@ -159,6 +160,12 @@ def split(items: list, fraction: float, seed: int, key: Callable[[Any], Hashable
 def base_name(source: str) -> str:
     """How adapter_config.json names the base: a known name as is, a path made absolute."""
     return source if source in KNOWN and not Path(source).exists() else str(Path(source).resolve())
+
+
+def trainable_summary(model: Transformer) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)"
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:

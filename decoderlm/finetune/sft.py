@@ -15,6 +15,7 @@ import torch
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.transformer import IGNORE_INDEX, Transformer, lm_loss
+from decoderlm.tokenizer import Tokenizer
 from decoderlm.tokenizer.chat import Message
 
 
@@ -24,8 +25,8 @@ class Example:
     labels: list[int]  # ids inside assistant replies, IGNORE_INDEX elsewhere (not shifted)
 
 
-def check_chat_tokenizer(tokenizer: object) -> None:
-    if getattr(tokenizer, "chat_template", None) is None:
+def check_chat_tokenizer(tokenizer: Tokenizer) -> None:
+    if tokenizer.chat_template is None:
         raise DecoderLMError("this model's tokenizer has no chat template, so conversations cannot be laid out; "
                              "fine-tune an instruct model, or add chat_template to its tokenizer_config.json")
 

@@ -1,95 +1,32 @@
-"""Checkpoint formats: HF safetensors folders (`hf`) and GGUF files (`gguf`).
+"""Checkpoint formats, each with its reader (and writer): decoderlm run folders (`runs`), HF safetensors
+folders (`hf`), GGUF files (`gguf`) and PEFT LoRA adapter folders (`peft`); `detect` tells them apart.
 
 A family is a `ModelConfig` built from the checkpoint's hyper-parameters plus a weight-name table
-mapping the checkpoint's tensor names (with an optional transform) to ours.
+mapping the checkpoint's tensor names (with an optional transform) to ours (`families`).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
+from pathlib import Path
+from typing import Literal
 
-from decoderlm.config import ModelConfig
-from decoderlm.model import Transformer
+from decoderlm.formats.peft import ADAPTER_CONFIG
+from decoderlm.formats.runs import CKPT_NAME
 
-
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
-    """A model whose parameters are allocated once, in `dtype` on `device`, with no values yet: built on
-    the meta device, so no time goes to a random init (or a CPU copy) that the weights overwrite."""
-    model = meta_model(config).to(dtype).to_empty(device=device)
-    if config.tie_embeddings:  # to_empty gives each module its own storage
-        model.lm_head.weight = model.embed_tokens.weight
-    model.init_rope()  # a computed buffer: the meta build held no values
-    return model
+Format = Literal["run", "peft", "hf", "gguf", "json"]
 
 
-class _OnMeta(TorchFunctionMode):
-    """Modules built inside get their parameters on the meta device, without random init (nothing
-    to initialize). Only the constructors of parameters are redirected: `with torch.device("meta")`
-    would move everything, and the meta kernels of normal_ and arange import torch._dynamo and
-    sympy, ~75 MB a loader has no use for. Small computed tables (RoPE's) stay on the CPU."""
-
-    FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.nn.init.normal_, torch.Tensor.normal_):
-            return args[0] if args else kwargs["tensor"]
-        if func in self.FACTORIES and kwargs.get("device") is None:
-            kwargs["device"] = "meta"
-        return func(*args, **kwargs)
-
-
-def meta_model(config: ModelConfig) -> Transformer:
-    """The model's modules with shapes but no storage (and no values)."""
-    with _OnMeta():
-        return Transformer(config)
-
-
-class TensorByTensor:
-    """A model built on the meta device and given its weights one tensor at a time, each becoming its
-    parameter (in `dtype` on `device`) or, with `quantize`, its quantized layer straight away: the
-    model never exists whole in full precision, so loading peaks near the size of what it keeps.
-    Weights may be float tensors or `decoderlm.quantize.Blocks` (a GGUF file's own blocks)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quantize: str | None = None) -> None:
-        from decoderlm.quantize import check_mode, targets
-
-        self.model = meta_model(config)
-        self.dtype, self.device, self.quantize = dtype, torch.device(device), quantize
-        if quantize is not None:
-            check_mode(quantize)
-        self.linears = targets(self.model) if quantize else set()
-        self.shapes = {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
-        self.loaded: set[str] = set()
-
-    def put(self, name: str, value: torch.Tensor) -> None:
-        """Place the weight `name` (one of self.shapes, with that shape)."""
-        from decoderlm.quantize import Int8Embedding, dequantize, layer_mode, quantized_linear, set_module
-
-        owner, _, param = name.rpartition(".")
-        module = self.model.get_submodule(owner)
-        if self.quantize and owner in self.linears and param == "weight":
-            bias = module.bias if f"{owner}.bias" in self.loaded else None
-            set_module(self.model, owner, quantized_linear(value, layer_mode(owner, self.quantize), bias).to(self.device))
-        elif self.quantize and name == "embed_tokens.weight":
-            head = None
-            if self.model.config.tie_embeddings:  # the embedding reads its rows from the head where it can
-                head = quantized_linear(value, layer_mode("lm_head", self.quantize)).to(self.device)
-                set_module(self.model, "lm_head", head)
-                self.loaded.add("lm_head.weight")
-            self.model.embed_tokens = Int8Embedding(value, self.dtype, head).to(self.device)
-        else:
-            setattr(module, param, nn.Parameter(dequantize(value).to(self.device, self.dtype)))
-        self.loaded.add(name)
-
-    def finish(self) -> tuple[Transformer, list[str]]:
-        """(the model in eval mode, names of the weights never given)."""
-        if self.model.config.tie_embeddings and not self.quantize:
-            self.model.lm_head.weight = self.model.embed_tokens.weight
-            self.loaded.add("lm_head.weight")
-        missing = sorted(n for n in self.shapes if n not in self.loaded)
-        if not missing:
-            self.model.init_rope()
-        return self.model.eval(), missing
+def detect(path: Path) -> Format | None:
+    """What `path` holds, from its name and the files in it: a run folder (ckpt.pt), a PEFT adapter folder
+    (adapter_config.json), an HF folder (config.json), a .gguf file, or a .json config file alone; None
+    if none of these. `load` and `inspect` each take the formats they can read."""
+    if path.is_dir():
+        if (path / CKPT_NAME).is_file():
+            return "run"
+        if (path / ADAPTER_CONFIG).is_file():
+            return "peft"
+        if (path / "config.json").exists():  # read_json explains a config.json that is not a file
+            return "hf"
+    elif path.is_file() and path.suffix in (".gguf", ".json"):
+        return "gguf" if path.suffix == ".gguf" else "json"
+    return None

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats import TensorByTensor
+from decoderlm.formats.build import TensorByTensor
 from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
 from decoderlm.model.rope import inverse_frequencies

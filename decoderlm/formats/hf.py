@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats import empty_model
+from decoderlm.formats.build import empty_model
 from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of
 from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer

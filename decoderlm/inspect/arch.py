@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decoderlm import names
 from decoderlm.config import PRESETS, ModelConfig, fits_annotation
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import detect, runs
 from decoderlm.formats.families import FAMILIES, qwen_layer_types, read_rope
 from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
 from decoderlm.formats.hf import config_from_hf
@@ -276,19 +278,17 @@ def _from_json(path: Path) -> ArchSpec:
 
 def read_spec(source: str | Path) -> ArchSpec:
     """Any source `inspect` accepts → ArchSpec, reading no weights where the format allows it."""
-    from decoderlm.loader import resolve_source
-    from decoderlm.train import checkpoint
-
     if str(source) in PRESETS and not Path(source).exists():
         return spec_from_model_config(ModelConfig.from_preset(str(source)), str(source))
-    path = resolve_source(source)
-    if path.is_file() and path.suffix == ".json":
+    path = names.resolve(source)
+    kind = detect(path)
+    if kind == "json":
         return _from_json(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if kind == "gguf":
         return spec_from_gguf(path)
-    if path.is_dir() and (path / checkpoint.CKPT_NAME).is_file():
-        return spec_from_model_config(ModelConfig.from_dict(checkpoint.read(path)["config"]), str(path))
-    if path.is_dir() and (path / "config.json").exists():  # read_json explains a config.json that is not a file
+    if kind == "run":
+        return spec_from_model_config(ModelConfig.from_dict(runs.read(path)["config"]), str(path))
+    if kind == "hf":
         return _from_json(path / "config.json")
     raise DecoderLMError(f"{source} is not something inspect can read: give a config.json, an HF folder, a .gguf, a run folder or a preset ({', '.join(PRESETS)})")
 

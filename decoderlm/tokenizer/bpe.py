@@ -107,6 +107,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise DecoderLMError("this tokenizer has no chat template; use `decoderlm generate --prompt` for plain text, or a chat (instruct) model")

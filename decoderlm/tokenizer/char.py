@@ -5,12 +5,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.tokenizer.chat import Message
 
 if TYPE_CHECKING:
     from decoderlm.tokenizer.bpe import HFTokenizer
 
 
 class CharTokenizer:
+    """No special tokens (so no BOS and no end-of-turn ids) and no chat template."""
+
+    bos_token_id = None
+    chat_template = None
+
     def __init__(self, chars: list[str]) -> None:
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
@@ -23,7 +29,8 @@ class CharTokenizer:
             raise DecoderLMError("the corpus is empty; give a text file with some content")
         return cls(sorted(set(text)))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One id per character (add_special_tokens: there are none to add)."""
         try:
             return [self.stoi[c] for c in text]
         except KeyError as e:
@@ -31,6 +38,12 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        raise DecoderLMError("a character-level model has no chat template; use `decoderlm generate --prompt` for plain text")
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.stoi)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "char", "chars": self.chars}

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoderlm.tokenizer.char import CharTokenizer
+from decoderlm.tokenizer.protocol import Tokenizer
 
 CONTEXT = 8  # prompt ids decoded with the first new ones: enough for a 4-byte character and a word before it
 
 
 class StreamDecoder:
-    def __init__(self, tokenizer: "CharTokenizer | object", prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         prompt = list(prompt_ids)
         start = max(0, len(prompt) - CONTEXT)

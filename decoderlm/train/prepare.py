@@ -29,9 +29,9 @@ import numpy as np
 from tqdm import tqdm
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats.runs import tokenizer_from_dict, tokenizer_to_dict
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
-from decoderlm.train.checkpoint import tokenizer_from_dict, tokenizer_to_dict
 from decoderlm.train.data import MANIFEST, VAL_FRACTION, read_manifest, token_dtype
 
 CHUNK_BYTES = 1 << 20
@@ -182,7 +182,7 @@ def _init_worker(tokenizer_dict: dict[str, Any]) -> None:
 
 
 def _encode(tokenizer: CharTokenizer | HFTokenizer, chunk: Chunk) -> tuple[str, list[int], int]:
-    ids = tokenizer.encode(chunk.text, add_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else tokenizer.encode(chunk.text)
+    ids = tokenizer.encode(chunk.text, add_special_tokens=False)
     return chunk.split, ids + (separator(tokenizer) if chunk.end_of_document else []), len(chunk.text.encode())
 
 

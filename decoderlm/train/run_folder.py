@@ -13,6 +13,7 @@ import numpy as np
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint, distributed
@@ -40,7 +41,7 @@ Tokenizer = CharTokenizer | HFTokenizer
 
 def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[TrainConfig, dict[str, Any], Tokenizer, tuple[Split, Split]]:
     """The run in `out` to resume: its checkpoint, its settings with this invocation's applied, its data."""
-    state = checkpoint.read(out)
+    state = runs.read(out)
     missing = [k for k in RESUME_KEYS if k not in state]
     if missing:
         raise DecoderLMError(f"{out / checkpoint.CKPT_NAME} holds a model but not the training state --resume needs "
@@ -55,7 +56,7 @@ def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Train
                              "resume with the same number (the global batch and data order depend on it)")
     saved = {name: f.metadata["default"] for name, f in FIELDS.items() if name not in settings} | settings
     cfg, notes = resolve_resume(cfg, TrainConfig(**saved), state["step"])
-    tokenizer = checkpoint.tokenizer_from_dict(state["tokenizer"])
+    tokenizer = runs.tokenizer_from_dict(state["tokenizer"])
     splits = read_data(cfg, out, tokenizer)
     check_sizes(max(map(len, splits[0])), sum(map(len, splits[1])), cfg.context, cfg.eval_batches, f"run folder {out}")
     if world.main:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from torch.optim import Optimizer
 
 from decoderlm.model import Transformer
+from decoderlm.formats import runs
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train import checkpoint
@@ -45,7 +46,7 @@ class RunFolderSaver:
             return
         checkpoint.save(self.out, {
             "model": {}, "optimizer": {}, **weights, "rng": rng, "config": model.config.to_dict(),
-            "tokenizer": checkpoint.tokenizer_to_dict(self.tokenizer), "train_config": dataclasses.asdict(self.cfg),
+            "tokenizer": runs.tokenizer_to_dict(self.tokenizer), "train_config": dataclasses.asdict(self.cfg),
             **state.state_dict(), "world_size": self.world.size,
         }, name)
         if self.sharded:

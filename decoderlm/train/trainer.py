@@ -22,6 +22,7 @@ from torch import nn
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import runs
 from decoderlm.model import Transformer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, run_folder
@@ -119,7 +120,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     except RuntimeError as e:  # gloo reports a timeout or a closed peer as a plain RuntimeError
         if not (world.distributed and lost_contact(e)):
             raise
-        step = checkpoint.last_step(out)
+        step = runs.last_step(out)
         where = (f"the last checkpoint in {out} (step {step}) is intact; --resume continues from it" if step is not None
                  else "no checkpoint was saved yet")
         raise DecoderLMError(f"rank {world.rank}: lost contact with the other processes ({type(e).__name__}: "
@@ -227,7 +228,7 @@ def restore(state: dict[str, Any], model: Transformer, optimizer: torch.optim.Op
     """Continue from a checkpoint: the optimizer (FSDP: the model's and the optimizer's shards), every RNG
     stream and the loop's counters."""
     if state.get("sharded"):
-        checkpoint.load_sharded(out / state["sharded"], model, optimizer)
+        runs.load_sharded(out / state["sharded"], model, optimizer)
     else:
         optimizer.load_state_dict(state["optimizer"])
     set_rng_states(state["rng"], objective, device, world)
