@@ -78,18 +78,20 @@ def mark(stage):
     account[stage] = {"peak_mb": s["VmHWM"], "rss_mb": s["VmRSS"]}
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts: the next stage's peak is its own
 import torch, decoderlm.cli, decoderlm.loader, decoderlm.formats.gguf as gguf
+from decoderlm.model import Transformer
 generate = importlib.import_module("decoderlm.generate")
 mark("imports")
 def after(module, name, stage):
     f = getattr(module, name)
     def wrapped(*args, **kwargs):
         out = f(*args, **kwargs)
-        mark(stage)
+        if stage not in account:  # the first call ends the stage
+            mark(stage)
         return out
     setattr(module, name, wrapped)
 for module, name, stage in ((gguf, "open_gguf", "GGUF header read"), (gguf, "gguf_tokenizer", "tokenizer"),
                             (gguf, "load_gguf", "weights read and quantized"), (decoderlm.loader, "fuse_projections", "projections fused"),
-                            (generate, "cache_for", "KV cache allocated"), (generate, "prefill", "first forward")):
+                            (generate, "cache_for", "KV cache allocated"), (Transformer, "forward", "first forward")):
     after(module, name, stage)
 decoderlm.cli.main(sys.argv[2:])
 mark("generation done")

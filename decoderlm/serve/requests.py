@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.sampling import SamplingParams
-from decoderlm.serve.engine import EngineClosed
+from decoderlm.serve.engine import Engine, EngineClosed
 from decoderlm.serve.metrics import Metrics
 from decoderlm.serve.protocol import ChatCompletionRequest, GenerationRequest, RequestError
 from decoderlm.serve.text import Delta, Timing, text_deltas
+from decoderlm.tokenizer import Tokenizer
 
 
 @dataclass
@@ -42,10 +43,10 @@ class ServedModel:
     """The model behind the routes: its engine, tokenizer, name, context length, the checkpoint's
     sampling defaults and the server's metrics."""
 
-    def __init__(self, engine, tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.max_seq_len, self.defaults, self.metrics = max_seq_len, defaults, metrics
-        self.stop_token_ids = list(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.stop_token_ids = list(tokenizer.eos_token_ids)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:

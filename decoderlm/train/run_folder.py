@@ -14,8 +14,7 @@ import numpy as np
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import runs
-from decoderlm.tokenizer import CharTokenizer
-from decoderlm.tokenizer.bpe import HFTokenizer
+from decoderlm.tokenizer import CharTokenizer, Tokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, parse_sets, resolve_new, resolve_resume
 from decoderlm.train.data import (
@@ -36,7 +35,6 @@ RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 # checkpoint), never over anything else.
 RUN_FILES = {checkpoint.CKPT_NAME, checkpoint.BEST_NAME, "train.bin", "val.bin", "log.csv", "log.json", "loss.png", "run.json"}
 RUN_FILES |= {name + ".tmp" for name in RUN_FILES} | {checkpoint.SHARDED_NAME}
-Tokenizer = CharTokenizer | HFTokenizer
 
 
 def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[TrainConfig, dict[str, Any], Tokenizer, tuple[Split, Split]]:
@@ -97,7 +95,7 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
                                  f"{init.config.max_seq_len}; lower --context")
     if is_data_dir(cfg.data):
         data_tokenizer = load_data_tokenizer(cfg.data)
-        if init is not None and not same_vocabulary(tokenizer, data_tokenizer):
+        if init is not None and tokenizer.get_vocab() != data_tokenizer.get_vocab():
             raise DecoderLMError(f"{cfg.data} was tokenized with another tokenizer than {cfg.init_from}'s; "
                                  f"run decoderlm prepare --tokenizer {cfg.init_from} for it")
         tokenizer = data_tokenizer
@@ -108,7 +106,7 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
         text = read_corpus(cfg.data)
         if init is None:
             tokenizer = CharTokenizer.from_text(text)
-        ids = np.array(encode_text(tokenizer, text), dtype=token_dtype(tokenizer.vocab_size))
+        ids = np.array(tokenizer.encode(text, add_special_tokens=False), dtype=token_dtype(tokenizer.vocab_size))
         check_sizes(*split_sizes(len(ids)), cfg.context, cfg.eval_batches, f"data file {cfg.data} ({len(ids)} tokens)")
         try:
             if world.main:
@@ -135,22 +133,10 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return ModelConfig.from_dict(fields)
 
 
-def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
-    if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text)
-
-
 def load_data_tokenizer(data_dir: str) -> Tokenizer:
     from decoderlm.train.prepare import load_tokenizer
 
     return load_tokenizer(data_dir)
-
-
-def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
-    if isinstance(a, CharTokenizer) or isinstance(b, CharTokenizer):
-        return isinstance(a, CharTokenizer) and isinstance(b, CharTokenizer) and a.chars == b.chars
-    return a.tokenizer.get_vocab(with_added_tokens=True) == b.tokenizer.get_vocab(with_added_tokens=True)
 
 
 def check_new_run_folder(out: Path) -> None:

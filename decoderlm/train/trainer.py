@@ -24,13 +24,14 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import runs
 from decoderlm.model import Transformer
+from decoderlm.tokenizer import Tokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, run_folder
 from decoderlm.train.distributed import World
 from decoderlm.train.logs import ProgressBar, Throughput, log_row, save_logs
 from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.optim import make_optimizer
-from decoderlm.train.run_folder import Tokenizer, open_run, start_run
+from decoderlm.train.run_folder import open_run, start_run
 from decoderlm.train.saver import CheckpointSaver, RunFolderSaver
 from decoderlm.train.schedule import lr_at
 from decoderlm.train.state import TrainState, rng_states, set_rng_states
