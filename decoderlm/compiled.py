@@ -12,7 +12,7 @@ user-managed constants (no copy); the package also holds the weights as they wer
 the constants inductor derives from them (int4 weights repacked), which is why the key includes them.
 One package serves every position (the position is a tensor input); it is built per cache size,
 rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
-building or loading fails, the model's eager forward is used and one line on stderr says why.
+building or loading fails, `decode_step` is used and one line on stderr says why.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class CompiledDecoder:
     """A model's compiled decode steps, one per cache size, each built once per machine and reused: a
     `generate.Step`, so `stream(model, ids, params, step=CompiledDecoder(model))` decodes through it.
 
-    `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is the model's one-token
-    forward over it, through the compiled library. The library holds the cache's buffers, so each size has one cache,
+    `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
+    through the compiled library. The library holds the cache's buffers, so each size has one cache,
     reused by the next request (its stale slots are masked): one stream at a time per model.
     build=False only loads packages built earlier, and decodes eagerly (silently) where there are none."""
 

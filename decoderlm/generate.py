@@ -61,6 +61,16 @@ class SpeculativeStats:
                 f"{self.generated} tokens in {self.target_forwards} target forwards")
 
 
+def prefill(model: Transformer, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """Run the whole prompt (B, T) through the model, filling the cache; return last logits (B, V)."""
+    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+
+
+def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """Feed one new token per row (B,) at the next position; return its logits (B, V)."""
+    return model(token[:, None], cache=cache).logits[:, -1]
+
+
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, proposer: Proposer | None = None,
            step: Step | None = None, num_speculative_tokens: int = 5, stats: SpeculativeStats | None = None) -> Iterator[int]:
     """Yield generated token ids one at a time, until a stop token (not yielded) or max_new_tokens.

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import decoderlm
 from decoderlm import compiled
-from decoderlm.generate import generate
+from decoderlm.generate import decode_step, generate, prefill
 from decoderlm.kv_cache import KVCache, StaticKVCache
 from decoderlm.quantize import quantize
 from decoderlm.sampling import SamplingParams
@@ -29,16 +29,6 @@ pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_c
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILING = "compiling the decode step once"
-
-
-def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """The eager forward of a prompt (B, T) into `cache`: its last logits (B, V)."""
-    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
-
-
-def decode_step(model, token: torch.Tensor, cache) -> torch.Tensor:
-    """The eager forward of one token per row (B,) at the cache's next position: its logits (B, V)."""
-    return model(token[:, None], cache=cache).logits[:, -1]
 
 
 @given(cfg=configs(), prompt_len=st.integers(1, 6), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
