@@ -112,8 +112,8 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     cached key or value stays exact: each further step runs one cache-free forward over the window, as
     recomputation would, and checks no guesses.
     """
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
     max_len, prompt_len, budget = model.config.max_seq_len, len(ids), params.max_new_tokens
     generator = params.generator(device)
     if not budget:
@@ -142,7 +142,8 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
             feed = torch.tensor([ids[cache.length :] + guesses], device=device)
             logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
         stats.target_forwards += 1
-        s = scores(logits, params, ids + guesses, len(ids), prompt_len)  # (n+1, V)
+        seen = ids + guesses if guesses else ids  # no copy of the history on a plain step
+        s = scores(logits, params, seen, len(ids), prompt_len)  # (n+1, V)
         if params.greedy:
             choice = s.argmax(-1).tolist()
             kept = next((i for i, x in enumerate(guesses) if x != choice[i]), len(guesses))

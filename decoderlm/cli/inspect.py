@@ -23,9 +23,9 @@ from decoderlm.cli.common import (
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.finetune import resume
+from decoderlm.formats import runs
 from decoderlm.inspect import checks, report
 from decoderlm.inspect.accounting import Accounting
-from decoderlm.formats import runs
 from decoderlm.inspect.arch import read_spec, with_overrides
 from decoderlm.loader import resolve_dtype
 from decoderlm.model import Transformer
