@@ -17,7 +17,9 @@ from decoderlm.jsonio import read_json
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
-MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped")
+GATED_MLPS = ("swiglu", "geglu", "swiglu_clamped")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 QK_NORM_SCOPES = ("head", "all")
 
 
@@ -46,12 +48,23 @@ class ModelConfig:
     dropout: float = 0.0
     # Family-specific mechanisms (defaults switch them off).
     sliding_window: int | None = None  # attend to at most this many most recent keys
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention" (Gemma-2/3, gpt-oss); None → the window in every layer
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma-3: 10k); None → rope_theta and rope_scaling
+    rope_local_scaling: dict[str, Any] | None = None  # the sliding layers' rope_scaling, with rope_local_theta
+    query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt instead of head_dim's (Gemma-2/3)
+    attn_logit_softcapping: float | None = None  # scores → c·tanh(scores / c) before the mask (Gemma-2)
+    final_logit_softcapping: float | None = None  # logits → c·tanh(logits / c) (Gemma-2)
+    sandwich_norm: bool = False  # norm each sublayer's input and its output before the residual add (Gemma-2/3)
+    attn_sinks: bool = False  # a learned logit per head in the softmax's denominator, with no value (gpt-oss)
     qk_norm: bool = False  # RMSNorm on queries and keys before RoPE (Qwen3, OLMo-2)
     qk_norm_scope: str = "head"  # "head": one norm per head, shared by all heads (Qwen3); "all": over all heads at once (OLMo-2)
     n_experts: int = 0  # > 0 → sparse MoE FFN (Mixtral)
     n_experts_per_tok: int = 2
     moe_hidden: int | None = None  # per-expert hidden size (None → ffn_hidden)
     moe_renormalize: bool = True  # softmax over the chosen experts only (Mixtral)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    swiglu_limit: float = 7.0  # swiglu_clamped: gate ≤ limit, |up| ≤ limit (gpt-oss)
+    swiglu_alpha: float = 1.702  # swiglu_clamped: gate · sigmoid(alpha · gate)
     embed_scale: float = 1.0  # multiply token embeddings (Gemma: sqrt(d_model))
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
     post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
@@ -71,7 +84,7 @@ class ModelConfig:
                 raise DecoderLMError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
             self.head_dim = self.d_model // self.n_heads
         if self.ffn_hidden is None:
-            gated = self.mlp in ("swiglu", "geglu")
+            gated = self.mlp in GATED_MLPS
             self.ffn_hidden = llama_hidden(self.d_model) if gated else 4 * self.d_model
         self.validate()
 
@@ -87,6 +100,22 @@ class ModelConfig:
             raise DecoderLMError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
             raise DecoderLMError(f"n_experts_per_tok must be in 1..{self.n_experts}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise DecoderLMError(f"config layer_types must list one of {', '.join(LAYER_TYPES)} for each of the {self.n_layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise DecoderLMError("config layer_types has sliding_attention layers but no sliding_window; set sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        """How many most recent keys this layer's queries see (None: all of them)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The distinct windows of the layers, in layer order: one mask per forward for each."""
+        return list(dict.fromkeys(self.window(i) for i in range(self.n_layers)))
 
     @property
     def gqa_group(self) -> int:

@@ -73,8 +73,8 @@ class RollingKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        if config.sliding_window is None:
-            raise DecoderLMError("RollingKVCache needs a model with sliding_window; use KVCache for full attention")
+        if config.sliding_window is None or config.layer_types is not None:
+            raise DecoderLMError("RollingKVCache needs a model with sliding_window in every layer; use KVCache for full or mixed attention")
         self.window = config.sliding_window
         self.size = self.window - 1
         shape = (batch_size, config.n_kv_heads, self.size, config.head_dim)  # (B, Hkv, W-1, D)
@@ -122,8 +122,10 @@ class RollingKVCache:
 
 def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> KVCache | RollingKVCache:
-    """The cache for up to max_len tokens: a rolling one when a sliding window makes it smaller."""
-    if config.sliding_window is not None and config.sliding_window <= max_len:
+    """The cache for up to max_len tokens: a rolling one when a sliding window in every layer makes it
+    smaller. A model mixing sliding and full layers (layer_types) gets the contiguous cache: its sliding
+    layers keep every token too, hidden by their mask."""
+    if config.sliding_window is not None and config.layer_types is None and config.sliding_window <= max_len:
         return RollingKVCache(config, batch_size, dtype, device)
     return KVCache(config, batch_size, max_len, dtype, device)
 

@@ -35,6 +35,23 @@ CASES: dict[str, tuple[str, dict]] = {
                                                                    "partial_rotary_factor": 0.5})),
     "gemma": ("gemma", LLAMA | dict(head_dim=32)),
     "olmo2-postnorm": ("olmo2", LLAMA),
+    # Qwen2 with sliding layers from max_window_layers on: a per-layer window in a Llama-like family
+    "qwen2-mixed-window": ("qwen2", LLAMA | dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    # sliding/full alternating with a window shorter than the prompts, soft-capped scores and logits, an
+    # odd query_pre_attn_scalar
+    "gemma2": ("gemma2", LLAMA | dict(num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                      attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # 2 sliding : 1 full, each kind its RoPE (local 10k plain, global 1M linear ×4), q/k norms
+    "gemma3": ("gemma3_text", LLAMA | dict(num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                           sliding_window_pattern=3, rope_parameters={
+                                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # sinks, biases, 4 experts top-2 with interleaved gate/up and the clamped SwiGLU, YaRN from a 16-token context
+    "gpt_oss": ("gpt_oss", LLAMA | dict(num_hidden_layers=3, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                                        max_position_embeddings=128,
+                                        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                         "truncate": False, "original_max_position_embeddings": 16,
+                                                         "rope_theta": 150000.0})),
 }
 
 SENTENCES = [

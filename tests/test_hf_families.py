@@ -80,6 +80,16 @@ def test_each_case_switches_its_mechanism_on(pair):
         "phi3-partial-rotary": c.partial_rotary_factor == 0.5,
         "gemma": c.norm_offset == 1.0 and c.embed_scale == 8.0 and c.mlp == "geglu" and c.tie_embeddings,
         "olmo2-postnorm": c.post_norm and c.qk_norm and c.qk_norm_scope == "all" and c.n_kv_heads < c.n_heads,
+        "qwen2-mixed-window": c.layer_types == ["full_attention", "sliding_attention", "sliding_attention"] and c.sliding_window == 6,
+        "gemma2": (c.layer_types == ["sliding_attention", "full_attention", "sliding_attention"] and c.sliding_window == 6
+                   and c.sandwich_norm and c.attn_logit_softcapping == 5.0 and c.final_logit_softcapping == 3.0
+                   and c.query_pre_attn_scalar == 24 and c.norm_offset == 1.0 and c.mlp == "geglu"),
+        "gemma3": (c.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and c.qk_norm and c.sandwich_norm
+                   and c.rope_local_theta == 1e4 and c.rope_theta == 1e6 and c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+                   and c.attn_logit_softcapping is None),
+        "gpt_oss": (c.attn_sinks and c.attn_bias and c.router_bias and c.mlp_bias and c.mlp == "swiglu_clamped" and c.n_experts == 4
+                    and c.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+                    and (c.rope_scaling or {}).get("rope_type") == "yarn"),
     }
     assert expected[case]
     assert c.family == CASES[case][0]
@@ -169,13 +179,20 @@ def test_real_moe_config_reads_expert_shape():
     assert (c.moe_hidden, c.moe_renormalize) == (d["moe_intermediate_size"], d["norm_topk_prob"])
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "gemma-3-1b", "gpt-oss-20b"])
+@pytest.mark.parametrize("name", ["deepseek-v3"])
 def test_unsupported_families_name_the_supported_ones(name):
     with pytest.raises(DecoderLMError, match="not supported; supported families: gpt2, llama, mistral"):
         config_from_hf(_fixture(name))
 
 
-def test_mixed_sliding_and_full_layers_are_refused():
-    d = _fixture("qwen2.5-0.5b") | {"use_sliding_window": True, "max_window_layers": 12}
-    with pytest.raises(DecoderLMError, match="mixes sliding-window and full-attention layers"):
-        config_from_hf(d)
+def test_mixed_sliding_and_full_layers_read_per_layer():
+    c = config_from_hf(_fixture("qwen2.5-0.5b") | {"use_sliding_window": True, "max_window_layers": 12})
+    assert [c.window(i) for i in (11, 12)] == [None, c.sliding_window] and c.windows == [None, c.sliding_window]
+
+
+def test_real_gemma3_and_gpt_oss_configs_read_each_layer_kind():
+    gemma = config_from_hf(_fixture("gemma-3-1b"))  # transformers 4's keys: sliding_window_pattern, rope_local_base_freq
+    assert [i for i in range(26) if gemma.window(i) is None] == [5, 11, 17, 23] and gemma.sliding_window == 512
+    assert (gemma.rope_theta, gemma.rope_local_theta, gemma.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    oss = config_from_hf(_fixture("gpt-oss-20b"))
+    assert oss.window(0) == 128 and oss.window(1) is None and oss.rope_scaling["rope_type"] == "yarn" and oss.n_experts == 32

@@ -5,6 +5,8 @@ A table row maps one checkpoint tensor to one or more of our parameters. Several
 checkpoint fuses them along dim 0 (Phi-3's qkv_proj, GPT-2's c_attn), split at load and concatenated
 at save; `transpose` marks GPT-2's Conv1D, which stores weights as (in, out). Names may hold `{i}`
 (layer), `{e}` (expert) and `{p}` (weight or bias); a row applies where our model has the parameters.
+A row whose checkpoint name has no `{e}` but whose parameters do holds every expert in one tensor
+(gpt-oss): `layout` says how (see `to_ours`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
@@ -23,6 +27,31 @@ class Row:
     ckpt: str
     ours: tuple[str, ...]
     transpose: bool = False
+    layout: str = ""  # "experts": (E, in, out) weights / (E, out) biases; "experts_interleaved": also gate, up rows alternating
+    experts: int = 0  # how many experts a stacked tensor holds
+
+
+def to_ours(row: Row, tensor: torch.Tensor) -> torch.Tensor:
+    """A stacked experts tensor as our parameters' rows, concatenated expert by expert: (E·out, in) or
+    (E·out,); with gate and up interleaved, an expert's gate rows come before its up rows."""
+    if not row.layout:
+        return tensor
+    t = tensor.transpose(1, 2) if tensor.dim() == 3 else tensor  # (E, out[, in])
+    if row.layout == "experts_interleaved":  # rows g0 u0 g1 u1 ... → g0 g1 ... u0 u1 ...
+        E, out = t.shape[:2]
+        t = t.reshape(E, out // 2, 2, *t.shape[2:]).transpose(1, 2).reshape(E, out, *t.shape[2:])
+    return t.flatten(0, 1)
+
+
+def to_checkpoint(row: Row, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_ours`."""
+    if not row.layout:
+        return tensor
+    t = tensor.unflatten(0, (row.experts, -1))  # (E, out[, in])
+    if row.layout == "experts_interleaved":
+        E, out = t.shape[:2]
+        t = t.reshape(E, 2, out // 2, *t.shape[2:]).transpose(1, 2).reshape(E, out, *t.shape[2:])
+    return t.transpose(1, 2) if t.dim() == 3 else t
 
 
 @dataclass(frozen=True)
@@ -35,8 +64,8 @@ class Family:
     optional_prefix: str = ""  # older checkpoints may omit it (GPT-2: "transformer.")
 
 
-def row(ckpt: str, *ours: str, transpose: bool = False) -> Row:
-    return Row(ckpt, ours, transpose)
+def row(ckpt: str, *ours: str, transpose: bool = False, layout: str = "") -> Row:
+    return Row(ckpt, ours, transpose, layout)
 
 
 def expand(family: Family, config: ModelConfig, params: set[str]) -> dict[str, Row]:
@@ -50,8 +79,10 @@ def expand(family: Family, config: ModelConfig, params: set[str]) -> dict[str, R
             for e in range(config.n_experts) if "{e}" in r.ckpt else [0]:
                 for p in ("weight", "bias") if "{p}" in r.ckpt else ["weight"]:
                     name, ours = r.ckpt.format(i=i, e=e, p=p), tuple(o.format(i=i, e=e, p=p) for o in r.ours)
+                    if r.layout:  # one tensor for every expert
+                        ours = tuple(o.format(i=i, e=x, p=p) for x in range(config.n_experts) for o in r.ours)
                     if all(o in params for o in ours):
-                        out[name] = Row(name, ours, r.transpose)
+                        out[name] = Row(name, ours, r.transpose, r.layout, config.n_experts if r.layout else 0)
     unnamed = params - {o for r in out.values() for o in r.ours}
     if unnamed:
         raise DecoderLMError(f"a {family.model_type} checkpoint has no tensor for our parameter {sorted(unnamed)[0]}; "
@@ -110,6 +141,23 @@ OLMO2_TABLE = llama_table(norms=(
     row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.input_layernorm.weight"),
     row("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
 ))
+# Gemma-2/3 norm each sublayer's input and output (sandwich_norm): checkpoint post_attention_layernorm is
+# our attn_out_norm, pre_feedforward_layernorm our post_attention_layernorm (the FFN's input norm).
+GEMMA2_TABLE = llama_table(norms=(
+    row("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight"),
+    row("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.attn_out_norm.weight"),
+    row("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.{i}.post_attention_layernorm.weight"),
+    row("model.layers.{i}.post_feedforward_layernorm.weight", "layers.{i}.ffn_out_norm.weight"),
+))
+# gpt-oss: a sink logit per head; the router is mlp.router (with a bias); the experts' matrices are stacked
+# (E, in, out) tensors, gate and up interleaved column by column in one.
+GPT_OSS_TABLE = llama_table(qkv=(*QKV, row(f"model.{ATTN}.sinks", f"{ATTN}.sinks")), mlp=(
+    row("model.layers.{i}.mlp.router.{p}", "layers.{i}.mlp.gate.{p}"),
+    row("model.layers.{i}.mlp.experts.gate_up_proj", f"{EXPERT}.gate_proj.weight", f"{EXPERT}.up_proj.weight", layout="experts_interleaved"),
+    row("model.layers.{i}.mlp.experts.gate_up_proj_bias", f"{EXPERT}.gate_proj.bias", f"{EXPERT}.up_proj.bias", layout="experts_interleaved"),
+    row("model.layers.{i}.mlp.experts.down_proj", f"{EXPERT}.down_proj.weight", layout="experts"),
+    row("model.layers.{i}.mlp.experts.down_proj_bias", f"{EXPERT}.down_proj.bias", layout="experts"),
+))
 H = "transformer.h.{i}"
 GPT2_TABLE = (
     row("transformer.wte.weight", "embed_tokens.weight"),
@@ -134,6 +182,8 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 # --- config.json ↔ ModelConfig ------------------------------------------------------------------
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
 GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 GPT2_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
@@ -154,25 +204,19 @@ def read_rope(d: dict[str, Any], default_theta: float = 10000.0) -> dict[str, An
     return dict(rope_theta=float(theta), rope_scaling=scaling, partial_rotary_factor=float(partial))
 
 
-def _window(d: dict[str, Any], mode: str) -> int | None:
-    """The attention window if every layer uses one. mode "all": config.json's sliding_window applies to
-    every layer (Mistral, Mixtral, Phi-3); "qwen": only with use_sliding_window, and only in the layers
-    listed as sliding (layer_types, else those from max_window_layers on); "none": the family has none."""
+def _windows(d: dict[str, Any], mode: str) -> dict[str, Any]:
+    """sliding_window and layer_types. mode "all": config.json's sliding_window applies to every layer
+    (Mistral, Mixtral, Phi-3); "qwen": only with use_sliding_window, and only in the layers listed as
+    sliding (layer_types, else those from max_window_layers on); "none": the family has none."""
     window = d.get("sliding_window")
-    if mode == "none" or window is None:
-        return None
+    if mode == "none" or window is None or (mode == "qwen" and not d.get("use_sliding_window", False)):
+        return dict(sliding_window=None, layer_types=None)
     if mode == "all":
-        return window
-    if not d.get("use_sliding_window", False):
-        return None
+        return dict(sliding_window=window, layer_types=None)
     types = qwen_layer_types(d)
-    if all(t == "sliding_attention" for t in types):
-        return window
-    if all(t == "full_attention" for t in types):
-        return None
-    raise DecoderLMError(f"this {d['model_type']} checkpoint mixes sliding-window and full-attention layers, "
-                         "which decoderlm does not support yet; "
-                         "set use_sliding_window to false in config.json to run it with full attention")
+    if SLIDING not in types:
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=window, layer_types=None if FULL not in types else types)
 
 
 def qwen_layer_types(d: dict[str, Any]) -> list[str]:
@@ -195,7 +239,7 @@ def _read_llama_like(d: dict[str, Any], *, theta: float = 10000.0, eps: float = 
         ffn_hidden=d["intermediate_size"], max_seq_len=d.get("max_position_embeddings", 2048),
         norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", eps)), position="rope", **read_rope(d, theta),
         mlp=GATED_ACTS[act], attn_bias=bias, attn_out_bias=bias,
-        tie_embeddings=bool(d.get("tie_word_embeddings", tie)), sliding_window=_window(d, window), family=d["model_type"],
+        tie_embeddings=bool(d.get("tie_word_embeddings", tie)), **_windows(d, window), family=d["model_type"],
     )
 
 
@@ -248,7 +292,7 @@ def _read_qwen3(d: dict[str, Any]) -> dict[str, Any]:
 def _write_qwen(c: ModelConfig) -> dict[str, Any]:
     sliding = c.sliding_window is not None
     return _write_llama_like(c) | dict(use_sliding_window=sliding, max_window_layers=0 if sliding else c.n_layers,
-                                       layer_types=["sliding_attention" if sliding else "full_attention"] * c.n_layers)
+                                       layer_types=[SLIDING if c.window(i) else FULL for i in range(c.n_layers)])
 
 
 def _read_qwen3_moe(d: dict[str, Any]) -> dict[str, Any]:
@@ -278,6 +322,71 @@ def _read_gemma(d: dict[str, Any]) -> dict[str, Any]:
     act = "gelu_pytorch_tanh" if act == "gelu" else act
     return _read_llama_like({**d, "hidden_act": act}, head_dim=256, tie=True) | dict(
         embed_scale=math.sqrt(d["hidden_size"]), norm_offset=1.0)
+
+
+def _layer_types(d: dict[str, Any], every: int) -> dict[str, Any]:
+    """sliding_window and layer_types from config.json's layer_types, else every `every`-th layer full
+    (Gemma-2, gpt-oss: 2; Gemma-3: sliding_window_pattern). Uniform kinds need no list."""
+    window, n = d.get("sliding_window"), d["num_hidden_layers"]
+    types = list(d.get("layer_types") or [FULL if (i + 1) % every == 0 else SLIDING for i in range(n)])
+    if window is None or SLIDING not in types:
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=window, layer_types=None if FULL not in types else types)
+
+
+def _write_layer_types(c: ModelConfig) -> dict[str, Any]:
+    return dict(sliding_window=c.sliding_window, layer_types=[SLIDING if c.window(i) else FULL for i in range(c.n_layers)])
+
+
+def _read_gemma2(d: dict[str, Any], every: int = 2, theta: float = 10000.0) -> dict[str, Any]:
+    if d.get("use_bidirectional_attention"):
+        raise DecoderLMError(f"this {d['model_type']} checkpoint uses bidirectional attention (an encoder), which decoderlm does not run")
+    return _read_gemma({**d, "sliding_window": None, "rope_theta": d.get("rope_theta") or theta}) | _layer_types(d, every) | dict(
+        sandwich_norm=True, query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=d.get("attn_logit_softcapping"), final_logit_softcapping=d.get("final_logit_softcapping"))
+
+
+def _write_gemma2(c: ModelConfig) -> dict[str, Any]:
+    return _write_llama_like(c) | _write_layer_types(c) | dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=c.query_pre_attn_scalar,
+        attn_logit_softcapping=c.attn_logit_softcapping, final_logit_softcapping=c.final_logit_softcapping)
+
+
+def _read_gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma-3: q/k norms, no attention soft-capping, and its own RoPE for the sliding layers: transformers
+    5's rope_parameters per layer kind, or the older rope_theta + rope_scaling (global) and rope_local_base_freq."""
+    params = d.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        rope = read_rope({"rope_parameters": params.get(FULL) or {}}, 1e6)
+        local = read_rope({"rope_parameters": params.get(SLIDING) or {}}, 10000.0)
+    else:
+        rope = read_rope(d, 1e6)
+        local = dict(rope_theta=float(d.get("rope_local_base_freq") or 10000.0), rope_scaling=None)
+    fields = _read_gemma2({**d, "rope_parameters": None, "rope_scaling": None}, every=int(d.get("sliding_window_pattern") or 6))
+    return fields | dict(rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"], rope_local_theta=local["rope_theta"],
+                         rope_local_scaling=local["rope_scaling"], qk_norm=True, attn_logit_softcapping=None)
+
+
+def _write_gemma3(c: ModelConfig) -> dict[str, Any]:
+    out = _write_gemma2(c)
+    del out["rope_theta"], out["rope_scaling"], out["attn_logit_softcapping"]
+    return out | dict(rope_parameters={FULL: {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})},
+                                       SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta, **(c.rope_local_scaling or {})}})
+
+
+def _read_gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
+    return _read_llama_like({**d, "sliding_window": None}, theta=150000.0, eps=1e-5) | _layer_types(d, 2) | dict(
+        mlp="swiglu_clamped", mlp_bias=True, attn_sinks=True, router_bias=True,
+        n_experts=d.get("num_local_experts", 128), n_experts_per_tok=d.get("num_experts_per_tok", 4), moe_hidden=d["intermediate_size"],
+        moe_renormalize=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+
+
+def _write_gpt_oss(c: ModelConfig) -> dict[str, Any]:
+    out = _write_llama_like(c) | _write_layer_types(c) | dict(
+        num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, intermediate_size=c.moe_hidden,
+        swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha)
+    del out["hidden_act"], out["mlp_bias"]
+    return out
 
 
 def _read_olmo2(d: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +425,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("phi3", "Phi3ForCausalLM", _read_phi3, _write_llama_like, PHI3_TABLE),
     Family("gemma", "GemmaForCausalLM", _read_gemma, _write_llama_like, LLAMA_TABLE),
     Family("olmo2", "Olmo2ForCausalLM", _read_olmo2, _write_llama_like, OLMO2_TABLE),
+    Family("gemma2", "Gemma2ForCausalLM", _read_gemma2, _write_gemma2, GEMMA2_TABLE),
+    Family("gemma3_text", "Gemma3ForCausalLM", _read_gemma3, _write_gemma3, GEMMA2_TABLE),
+    Family("gpt_oss", "GptOssForCausalLM", _read_gpt_oss, _write_gpt_oss, GPT_OSS_TABLE),
 )}
 
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.build import empty_model
-from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of
+from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of, to_checkpoint, to_ours
 from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
@@ -149,6 +149,8 @@ def _copy_in(row: Row, tensor: torch.Tensor, params: dict[str, torch.Tensor]) ->
     expected = (sum(sizes), *targets[0].shape[1:])
     if row.transpose:
         tensor = tensor.t()
+    if row.layout and tensor.shape[0] == row.experts:
+        tensor = to_ours(row, tensor)
     if tuple(tensor.shape) != expected:
         got, want = (tuple(tensor.shape), expected) if not row.transpose else (tuple(tensor.shape)[::-1], expected[::-1])
         raise DecoderLMError(f"tensor {row.ckpt} has shape {got} but config.json implies {want}; config.json does not match the weights")
@@ -210,7 +212,7 @@ def _write_weights(rows: list[Row], params: dict[str, torch.Tensor], out: Path, 
 def _checkpoint_tensor(row: Row, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """One row's checkpoint tensor: our parameters concatenated along dim 0, transposed for Conv1D."""
     tensor = torch.cat([params[name] for name in row.ours]) if len(row.ours) > 1 else params[row.ours[0]]
-    return (tensor.t() if row.transpose else tensor).contiguous().cpu()
+    return to_checkpoint(row, tensor.t() if row.transpose else tensor).contiguous().cpu()
 
 
 def _generation_config(defaults: dict[str, Any], bos: int | None, eos: int | list[int] | None) -> dict[str, Any]:

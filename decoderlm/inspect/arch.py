@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from decoderlm import names
-from decoderlm.config import PRESETS, ModelConfig, fits_annotation
+from decoderlm.config import GATED_MLPS, PRESETS, ModelConfig, fits_annotation
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import detect, runs
 from decoderlm.formats.families import FAMILIES, qwen_layer_types, read_rope
@@ -251,13 +251,14 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
     """A decoderlm `ModelConfig` (a preset, a run folder's checkpoint, a loaded model, a read checkpoint)."""
     return ArchSpec(
         family=cfg.family, vocab_size=cfg.vocab_size, n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in ("swiglu", "geglu"),
-        norm=cfg.norm, norm_bias=cfg.norm_bias, qk_norm=cfg.qk_norm, qk_norm_all_heads=cfg.qk_norm_scope == "all", post_norm=cfg.post_norm,
-        qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias,
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden, gated_mlp=cfg.mlp in GATED_MLPS,
+        norm=cfg.norm, norm_bias=cfg.norm_bias, norms_per_layer=4 if cfg.sandwich_norm else 2,
+        qk_norm=cfg.qk_norm, qk_norm_all_heads=cfg.qk_norm_scope == "all", post_norm=cfg.post_norm,
+        qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias, attn_sinks=cfg.attn_sinks, router_bias=cfg.router_bias,
         learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
         max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
         rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None,
-        sliding_window=cfg.sliding_window, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
+        sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
         moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
     )
 

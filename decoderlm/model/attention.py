@@ -3,6 +3,11 @@
 With n_kv_heads < n_heads each K/V head serves a group of n_heads / n_kv_heads query heads. Scores
 are masked so a token sees only itself and earlier tokens (and, with a sliding window, only the last
 `window` of them); `decoderlm.model.cache.build_mask` makes that mask once per forward, from token positions.
+
+Two options SDPA has no switch for are written out in `attention_math`: Gemma-2's soft-capping of the
+scores (c·tanh(s / c), which bounds every logit to ±c) and gpt-oss's attention sinks (one learned logit
+per head joins each softmax: it takes probability mass and gives no value, so a head can attend to
+nothing).
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(qd, d, bias=config.attn_out_bias)
         self.norm_all_heads = config.qk_norm_scope == "all"  # OLMo-2: one norm over all heads' features
         q_width, k_width = (qd, kvd) if self.norm_all_heads else (config.head_dim, config.head_dim)
-        self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(q_width, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attn_sinks else None  # (H,) logits
+        self.scale = config.query_pre_attn_scalar ** -0.5 if config.query_pre_attn_scalar else None  # None: SDPA's 1/sqrt(head_dim)
+        self.softcap = config.attn_logit_softcapping
         self.dropout = config.dropout
         self.causal = config.causal
 
@@ -72,18 +80,43 @@ class Attention(nn.Module):
         upcast = q.device.type == "cpu" and torch.is_autocast_enabled("cpu")
         is_causal = self.causal and mask is None and T > 1  # no mask at all: plain causal attention over a fresh sequence (or none)
         dropout = self.dropout if self.training else 0.0
+        attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
+        if self.softcap is not None or self.sinks is not None:
+            if attend is not None:
+                y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads, kernel=self.attention_math)
+            else:
+                y = self.attention_math(q, k, v, mask, is_causal)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if upcast and torch.compiler.is_compiling():
             # Compiled (--compile): the math kernel, which computes bf16 inputs in fp32 on the CPU, decomposed
             # into matmuls and a softmax that inductor fuses (faster here than the flash kernel), and with no
             # autocast region in the graph, so the compiled step is loaded whole from the cache.
             y = torch.ops.aten._scaled_dot_product_attention_math(
-                q, k, v, mask, dropout, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)[0]  # (B, H, T, D)
+                q, k, v, mask, dropout, is_causal, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)[0]  # (B, H, T, D)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
             if upcast:
                 q, k, v = q.float(), k.float(), v.float()
-            attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
-            y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads) if attend is not None else F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_heads != self.n_heads,
+            y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads, scale=self.scale) if attend is not None else F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+        """softmax(cap(q·kᵀ · scale) + mask [, sink]) · v in fp32, for queries (B, H, T, D) over keys (B, Hkv, L, D)."""
+        T, L = q.shape[2], k.shape[2]
+        group = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, L, D)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)  # (B, H, T, L)
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if mask is not None:
+            scores = scores + mask
+        elif is_causal:
+            scores = scores.masked_fill(~torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T), float("-inf"))
+        if self.sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # the sink's share of each row is dropped: it has no value to add
+            sink = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # (B, H, T, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return (probs @ v.float()).to(q.dtype)  # (B, H, T, D)

@@ -18,7 +18,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.renormalize = config.n_experts_per_tok, config.moe_renormalize
-        self.gate = nn.Linear(config.d_model, config.n_experts, bias=False)  # the router
+        self.gate = nn.Linear(config.d_model, config.n_experts, bias=config.router_bias)  # the router
         self.gate.router = True  # kept in full precision by decoderlm.quantize: tiny, and it decides everything
         hidden = config.moe_hidden or config.ffn_hidden
         self.experts = nn.ModuleList(MLP(config, hidden) for _ in range(config.n_experts))

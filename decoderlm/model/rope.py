@@ -2,7 +2,10 @@
 
 Channel i is paired with channel i + rot_dim/2 (the "rotate half" layout HF checkpoints use) and
 rotated by angle pos · θ^(-2i/rot_dim). Scaling variants stretch the low frequencies so a model
-reaches beyond its training context.
+reaches beyond its training context: linear (all of them), Llama 3 (long wavelengths only, blended),
+YaRN (interpolate the frequencies that turn less than beta_slow times in the original context, keep
+those that turn more than beta_fast times, ramp in between; and scale cos/sin by its attention factor,
+0.1·ln(factor) + 1, which sharpens the softmax the longer context flattens).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ def inverse_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | No
         return (inv_freq / scaling["factor"]).float()
     if kind == "llama3":
         return _llama3(inv_freq, scaling).float()
+    if kind == "yarn":
+        return _yarn(inv_freq, rot_dim, theta, scaling).float()
     if kind == "freq_factors":  # one divisor per frequency, as GGUF's rope_freqs tensor stores any scaling
         factors = torch.tensor(scaling["factors"], dtype=torch.float64)
         if factors.shape != inv_freq.shape:
             raise DecoderLMError(f"rope_scaling freq_factors has {factors.numel()} factors, expected {inv_freq.numel()} (rot_dim/2); "
                                  "fix the config")
         return (inv_freq / factors).float()
-    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, freq_factors")
+    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn, freq_factors")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -46,13 +51,47 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(middle, blended, out)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin tables for the given positions. positions (B, T) → cos, sin (B, T, 1, rot_dim).
+def _yarn(inv_freq: torch.Tensor, rot_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency blends its interpolated (÷ factor) and original value by how many turns it
+    makes over the original context: under beta_slow turns fully interpolated, over beta_fast kept."""
+    factor, old_ctx = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def channel(turns: float) -> float:  # the channel pair that turns `turns` times over old_ctx
+        return rot_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel(fast), channel(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)  # 0: keep, 1: interpolate
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by (so every q·k score by its square): YaRN's 0.1·ln(factor) + 1
+    (or the ratio of two such with mscale / mscale_all_dim, or the config's attention_factor); 1 otherwise."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin tables for the given positions, times `attention_factor`. positions (B, T) → cos, sin (B, T, 1, rot_dim).
 
     sin's first half is negated: rotating the pair (x1, x2) gives (x1·cos − x2·sin, x2·cos + x1·sin),
     which is x·cos + (x2, x1)·(−sin, sin), so `apply_rope_` needs one roll instead of chunk, neg and cat."""
     angles = positions.float().unsqueeze(-1) * inv_freq.float()  # (B, T, rot_dim/2), fp32 even in a bf16 model
     cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (B, T, rot_dim)
     return cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype)
 

@@ -21,7 +21,7 @@ from decoderlm.model.cache import Cache, causal_mask, default_positions
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
-from decoderlm.model.rope import inverse_frequencies, rope_cos_sin
+from decoderlm.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
 
 IGNORE_INDEX = -100
 
@@ -38,14 +38,19 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then x + ffn(norm(x)). With post_norm (OLMo-2): x + norm(attn(x))."""
+    """Pre-norm: x + attn(norm(x)), then x + ffn(norm(x)). With post_norm (OLMo-2): x + norm(attn(x)).
+    With sandwich_norm (Gemma-2/3) both: x + norm(attn(norm(x))), and the same around the FFN."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.post_norm = config.post_norm
+        self.window = config.window(layer)  # this layer's attention kind: the mask it takes
+        self.local_rope = self.window is not None and config.rope_local_theta is not None  # Gemma-3's sliding layers
         self.input_layernorm = make_norm(config)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = make_norm(config)
+        self.attn_out_norm = make_norm(config) if config.sandwich_norm else None
+        self.ffn_out_norm = make_norm(config) if config.sandwich_norm else None
         self.mlp = MoE(config) if config.n_experts else MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -54,8 +59,11 @@ class Block(nn.Module):
             x = x + self.input_layernorm(self.self_attn(x, rope, mask, cache))
             return x + self.post_attention_layernorm(self.mlp(x))
         h = self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         x = x + (self.resid_dropout(h) if self.training else h)  # eval: no call at all, a decode step is op-bound
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (self.ffn_out_norm(h) if self.ffn_out_norm is not None else h)
 
 
 class Transformer(nn.Module):
@@ -85,8 +93,13 @@ class Transformer(nn.Module):
         if cfg.position != "rope":
             return
         rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        inv_freq = inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq.to(self.norm.weight.device), persistent=False)  # the embedding may be quantized
+        device = self.norm.weight.device  # the embedding may be quantized
+        self.register_buffer("inv_freq", inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling).to(device), persistent=False)
+        self.rope_factor = attention_factor(cfg.rope_scaling)
+        if cfg.rope_local_theta is not None:  # the sliding layers' own base and scaling (Gemma-3)
+            inv_freq = inverse_frequencies(rot_dim, cfg.rope_local_theta, cfg.rope_local_scaling)
+            self.register_buffer("inv_freq_local", inv_freq.to(device), persistent=False)
+            self.rope_local_factor = attention_factor(cfg.rope_local_scaling)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -126,28 +139,36 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # (B, T, D)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope = None
+        rope = local_rope = None
         if self.embed_positions is not None:
             last = int(positions.max()) if last is None else last
             if last >= cfg.max_seq_len:
                 raise DecoderLMError(f"sequence reaches position {last}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
             x = x + self.embed_positions(positions)
         else:
-            rope = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (B, T, 1, rot_dim) each
+            rope = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_factor)  # (B, T, 1, rot_dim) each
+            if cfg.rope_local_theta is not None:
+                local_rope = rope_cos_sin(positions, self.inv_freq_local, x.dtype, self.rope_local_factor)
         x = self.dropout(x)
-        if cache is not None:
-            mask = cache.mask(T, attention_mask, cfg.sliding_window, x.dtype, x.device)
-        else:
-            mask = causal_mask(0, T, attention_mask, cfg.sliding_window, x.dtype, x.device)
-        if not cfg.causal and mask is not None:  # experiment switch: every query sees what the last one sees
-            mask = mask[:, :, -1:].expand_as(mask)  # (B, 1, T, L)
+        masks = {}  # one per attention kind (window) the layers use
+        for window in cfg.windows:
+            if cache is not None:
+                mask = cache.mask(T, attention_mask, window, x.dtype, x.device)
+            else:
+                mask = causal_mask(0, T, attention_mask, window, x.dtype, x.device)
+            if not cfg.causal and mask is not None:  # experiment switch: every query sees what the last one sees
+                mask = mask[:, :, -1:].expand_as(mask)  # (B, 1, T, L)
+            masks[window] = mask
         for block in self.layers:
-            x = block(x, rope, mask, cache)
+            x = block(x, local_rope if block.local_rope else rope, masks[block.window], cache)
         if cache is not None:
             cache.advance(T)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = cap * torch.tanh(logits / cap)
         loss = None
         if labels is not None:
             loss = lm_loss(logits[:, :-1], labels[:, 1:])

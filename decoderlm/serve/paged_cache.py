@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -171,17 +172,19 @@ class PagedCache:
         values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool, scale: float | None = None,
+               kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Attention (B, H, T, D) one row at a time, each row's queries over its own keys rounded up to a
         multiple of 16, as `generate` computes it alone: SDPA's CPU kernel splits its work by the batch's
         shape, so a row attended in a batch would come out different in its last bits. Padding queries
-        get zeros."""
+        get zeros. `kernel(q, k, v, mask)` replaces SDPA where the model's attention has options it lacks (soft-capping, sinks)."""
         B, T, _ = self.shape
         y = q.new_zeros(q.shape)
         for i, (n, total) in enumerate(zip(self.new_lens, self.totals)):
             L = aligned(total)
-            y[i : i + 1, :, T - n :] = F.scaled_dot_product_attention(
-                q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], attn_mask=mask[i : i + 1, :, T - n :, :L], enable_gqa=gqa)
+            args = (q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], mask[i : i + 1, :, T - n :, :L])
+            y[i : i + 1, :, T - n :] = kernel(*args) if kernel is not None else F.scaled_dot_product_attention(
+                *args, scale=scale, enable_gqa=gqa)
         return y
 
     def advance(self, n: int) -> None:
