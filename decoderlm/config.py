@@ -51,7 +51,7 @@ class ModelConfig:
     layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention" (Gemma-2/3, gpt-oss); None → the window in every layer
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma-3: 10k); None → rope_theta and rope_scaling
     rope_local_scaling: dict[str, Any] | None = None  # the sliding layers' rope_scaling, with rope_local_theta
-    query_pre_attn_scalar: float | None = None  # scores scaled by its 1/sqrt instead of head_dim's (Gemma-2/3)
+    query_pre_attn_scalar: int | None = None  # scores scaled by its 1/sqrt instead of head_dim's (Gemma-2/3)
     attn_logit_softcapping: float | None = None  # scores → c·tanh(scores / c) before the mask (Gemma-2)
     final_logit_softcapping: float | None = None  # logits → c·tanh(logits / c) (Gemma-2)
     sandwich_norm: bool = False  # norm each sublayer's input and its output before the residual add (Gemma-2/3)

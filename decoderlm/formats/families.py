@@ -342,7 +342,7 @@ def _read_gemma2(d: dict[str, Any], every: int = 2, theta: float = 10000.0) -> d
     if d.get("use_bidirectional_attention"):
         raise DecoderLMError(f"this {d['model_type']} checkpoint uses bidirectional attention (an encoder), which decoderlm does not run")
     return _read_gemma({**d, "sliding_window": None, "rope_theta": d.get("rope_theta") or theta}) | _layer_types(d, every) | dict(
-        sandwich_norm=True, query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        sandwich_norm=True, query_pre_attn_scalar=int(d.get("query_pre_attn_scalar", 256)),
         attn_logit_softcapping=d.get("attn_logit_softcapping"), final_logit_softcapping=d.get("final_logit_softcapping"))
 
 

@@ -1,0 +1,113 @@
+"""Gemma-2/3 and gpt-oss beyond the family parity of test_hf_families: their mixed sliding/full layers,
+soft-capping and sinks through every cache and entry point (the paged engine, the static cache, the
+CLI), quantized and fused; YaRN's attention factor; what `inspect` says of them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hf_models import make_hf_model, prompt_ids
+from tokenizers import Tokenizer
+
+import decoderlm.cli as cli
+from decoderlm.generate import generate
+from decoderlm.inspect.accounting import Accounting
+from decoderlm.inspect.arch import read_spec
+from decoderlm.kv_cache import KVCache, StaticKVCache, cache_for
+from decoderlm.loader import load
+from decoderlm.model.rope import attention_factor
+from decoderlm.sampling import SamplingParams
+from decoderlm.serve import Engine
+
+CASES = ["gemma2", "gemma3", "gpt_oss"]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def checkpoint(request, tmp_path_factory):
+    """(folder, transformers model, case) with a window of 6, shorter than every prompt below."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, make_hf_model(request.param, folder), request.param
+
+
+def test_paged_engine_batch_gives_transformers_greedy_tokens(checkpoint):
+    folder, hf, _ = checkpoint
+    model, _ = load(folder)
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (3, 9, 14)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(model, max_batch=3, num_blocks=1 + 24, block_size=4, prefill_chunk=8)  # chunked prefill over blocks
+    streams = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert [[o.token_id for o in s if o.token_id is not None] for s in streams] == want
+
+
+def test_static_cache_decoding_equals_recomputation(checkpoint):
+    folder, _, _ = checkpoint
+    model, _ = load(folder)
+    ids = prompt_ids(16, seed=3)
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = StaticKVCache(model.config, 2, 16)
+        got = [model(ids[:, :5], cache=cache).logits[:, -1]]
+        got += [model(ids[:, t : t + 1], cache=cache).logits[:, -1] for t in range(5, 16)]
+    assert (torch.stack(got, dim=1) - want[:, 4:]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_loads_run(checkpoint, quantize):
+    """Every projection quantized and fused (q/k/v, each expert's gate/up), the router and the sinks kept
+    in float; int8 keeps most greedy choices of this random model (a flipped expert choice moves a
+    token's logits a lot, so no logit tolerance)."""
+    folder, _, _ = checkpoint
+    ids = prompt_ids(12)
+    exact = load(folder, fuse=False)[0]
+    model = load(folder, quantize=quantize)[0]
+    plain = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert all(name.endswith("mlp.gate") for name in plain)  # only the routers stay in float
+    assert model.layers[0].self_attn.qkv_proj is not None
+    with torch.no_grad():
+        want, got = exact(ids).logits, model(ids).logits
+    assert torch.isfinite(got).all()
+    if quantize == "int8":
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_mixed_layer_kinds_keep_the_contiguous_cache():
+    """A rolling cache would drop what the full layers still see: mixed models get the contiguous one."""
+    from decoderlm.config import ModelConfig
+
+    mixed = ModelConfig(vocab_size=32, n_layers=2, d_model=32, n_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    assert isinstance(cache_for(mixed, 1, 64), KVCache) and mixed.windows == [4, None]
+    assert type(cache_for(ModelConfig(vocab_size=32, n_layers=2, d_model=32, n_heads=2, sliding_window=4), 1, 64)).__name__ == "RollingKVCache"
+
+
+def test_generate_cli_prints_transformers_greedy_continuation(tmp_path, capsys):
+    hf = make_hf_model("gemma3", tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt).ids
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0].tolist()
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == tok.decode(out) + "\n"
+
+
+def test_yarn_attention_factor():
+    assert attention_factor({"rope_type": "yarn", "factor": 32.0}) == pytest.approx(0.1 * math.log(32) + 1)
+    assert attention_factor({"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}) == 1.0  # DeepSeek's ratio
+    assert attention_factor({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.5}) == 1.5
+    assert attention_factor({"rope_type": "linear", "factor": 4.0}) == attention_factor(None) == 1.0
+
+
+def test_inspect_counts_each_layer_kind(checkpoint):
+    folder, hf, _ = checkpoint
+    model, _ = load(folder)
+    acc = Accounting.of(read_spec(folder))
+    assert acc.total == sum(p.numel() for p in hf.parameters()) == model.num_parameters()
+    # 2 sliding layers (window 6) and 1 full layer: K and V of 2 heads × 16 per token per layer, bf16
+    per_token_layer = 2 * 2 * 16 * 2
+    assert acc.kv_bytes(100) == (2 * 6 + 1 * 100) * per_token_layer
