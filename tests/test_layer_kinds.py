@@ -111,3 +111,26 @@ def test_inspect_counts_each_layer_kind(checkpoint):
     # 2 sliding layers (window 6) and 1 full layer: K and V of 2 heads × 16 per token per layer, bf16
     per_token_layer = 2 * 2 * 16 * 2
     assert acc.kv_bytes(100) == (2 * 6 + 1 * 100) * per_token_layer
+
+
+def test_inspect_names_the_rope_of_each_kind():
+    from pathlib import Path
+
+    configs = Path(__file__).parent / "fixtures" / "configs"
+    gemma, oss = read_spec(configs / "gemma-3-1b.json").features(), read_spec(configs / "gpt-oss-20b.json").features()
+    assert "positions: RoPE θ=1,000,000; sliding layers θ=10,000" in gemma
+    assert "positions: RoPE θ=150,000, yarn scaling ×32 from 4,096 to 131,072 tokens" in oss
+    assert "norm: rmsnorm; attention sinks, q/k/v bias" in oss
+
+
+def test_shrunk_model_keeps_both_layer_kinds_and_its_cache_check_passes(checkpoint):
+    from decoderlm.config import ModelConfig
+    from decoderlm.inspect.checks import check_kv_cache, shrink
+    from decoderlm.model import Transformer
+
+    folder, _, _ = checkpoint
+    config = load(folder)[0].config
+    small = shrink(ModelConfig(**{**config.to_dict(), "n_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}))
+    assert small.layer_types == ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    assert check_kv_cache(Transformer(small)).passed

@@ -62,6 +62,7 @@ class ArchSpec:
     max_seq_len: int = 0
     rope_theta: float | None = None
     rope_scaling: dict[str, Any] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' own RoPE base (Gemma-3)
     sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer SLIDING / FULL; None → all sliding if sliding_window else all full
     n_experts: int = 0
@@ -116,8 +117,10 @@ class ArchSpec:
                 if kind == "freq_factors":  # GGUF's rope_freqs: one divisor per frequency
                     scaling = f", per-frequency scaling (divisors {min(self.rope_scaling['factors']):g}..{max(self.rope_scaling['factors']):g})"
                 else:
-                    scaling = f", {kind} scaling ×{self.rope_scaling.get('factor', 1):g}" + (f" from {orig:,}" if orig else "")
-            lines.append(f"positions: RoPE θ={self.rope_theta:,.0f}{scaling}")
+                    factor = self.rope_scaling.get("factor", 1)
+                    scaling = f", {kind} scaling ×{factor:g}" + (f" from {orig:,} to {int(orig * factor):,} tokens" if orig else "")
+            local = f"; sliding layers θ={self.rope_local_theta:,.0f}" if self.rope_local_theta is not None else ""
+            lines.append(f"positions: RoPE θ={self.rope_theta:,.0f}{scaling}{local}")
         if self.sliding_window is not None:
             n_sliding = sum(self.window(i) is not None for i in range(self.n_layers))
             if n_sliding == self.n_layers:
@@ -257,7 +260,7 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
         qkv_bias=cfg.attn_bias, o_bias=cfg.attn_out_bias, mlp_bias=cfg.mlp_bias, attn_sinks=cfg.attn_sinks, router_bias=cfg.router_bias,
         learned_positions=cfg.max_seq_len if cfg.position == "learned" else 0, tie_embeddings=cfg.tie_embeddings,
         max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
-        rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None,
+        rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None, rope_local_theta=cfg.rope_local_theta,
         sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
         moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
     )

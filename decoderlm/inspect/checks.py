@@ -93,8 +93,12 @@ def shrink(config: ModelConfig, vocab_size: int = 256) -> ModelConfig:
         n_kv -= 1
     head_dim = 16
     n_experts = min(config.n_experts, 4)
+    n_layers = min(config.n_layers, 2)
+    types = config.layer_types
+    if types is not None:  # both kinds where the model has both (Gemma-3's first full layer is its 6th)
+        types = sorted(set(types), reverse=True) if n_layers == 2 and len(set(types)) == 2 else types[:n_layers]
     return dataclasses.replace(
-        config, vocab_size=vocab_size, n_layers=min(config.n_layers, 2), d_model=n_heads * head_dim, n_heads=n_heads,
+        config, vocab_size=vocab_size, n_layers=n_layers, layer_types=types, d_model=n_heads * head_dim, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=head_dim, ffn_hidden=4 * n_heads * head_dim, max_seq_len=128, dropout=0.0,
         sliding_window=min(config.sliding_window, 16) if config.sliding_window else None, n_experts=n_experts,
         n_experts_per_tok=min(config.n_experts_per_tok, max(n_experts, 1)), moe_hidden=2 * n_heads * head_dim if n_experts else None,
