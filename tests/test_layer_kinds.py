@@ -134,3 +134,37 @@ def test_shrunk_model_keeps_both_layer_kinds_and_its_cache_check_passes(checkpoi
     assert small.layer_types == ["sliding_attention", "full_attention"]
     torch.manual_seed(0)
     assert check_kv_cache(Transformer(small)).passed
+
+
+def test_explained_attention_weights_reproduce_the_layer_and_show_the_sink(checkpoint):
+    """weights @ V through o_proj gives the layer's output: the scale, soft-cap and window are the layer's,
+    and with sinks the rows sum to 1 only with the sink's column, which takes a share and adds nothing."""
+    from decoderlm.inspect.explain import attention_weights
+
+    folder, _, case = checkpoint
+    model, _ = load(folder, fuse=False)
+    ids = prompt_ids(12)[:1]
+    attn = model.layers[0].self_attn  # a sliding layer
+    seen = {}
+    handle = attn.register_forward_hook(lambda module, args, output: seen.update(x=args[0], out=output))
+    full = attention_weights(model, ids, layer=0, sink=True)  # (1, H, T, T [+ 1])
+    handle.remove()
+    B, T, _ = seen["x"].shape
+    torch.testing.assert_close(full.sum(-1), torch.ones(1, attn.n_heads, T))
+    weights = full[..., :T]
+    assert weights[..., torch.arange(T)[:, None] - torch.arange(T)[None, :] >= 6].abs().max() == 0  # the window
+    if case == "gpt_oss":
+        assert full.shape[-1] == T + 1 and full[..., T].min() > 0
+    with torch.inference_mode():
+        v = attn.v_proj(seen["x"]).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        v = v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
+        rebuilt = attn.o_proj((weights @ v).transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(rebuilt, seen["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_explain_attention_png_names_the_sink_share(tmp_path):
+    from decoderlm.inspect.explain import plot_attention
+
+    make_hf_model("gpt_oss", tmp_path / "m")
+    model, tok = load(tmp_path / "m")
+    assert plot_attention(model, tok, "The quick brown fox", 1, tmp_path / "a.png").stat().st_size > 0

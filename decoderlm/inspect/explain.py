@@ -54,11 +54,12 @@ def plot_masks(tokens: list[str], prefix: int, window: int, out: str | Path) -> 
 
 
 @torch.inference_mode()
-def attention_weights(model: Transformer, ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """Attention probabilities (B, H, T, T) of one layer, rebuilt from the q/k it really sees.
+def attention_weights(model: Transformer, ids: torch.Tensor, layer: int, sink: bool = False) -> torch.Tensor:
+    """Attention probabilities (B, H, T, T) of one layer, rebuilt from the q/k it really sees; with
+    sink=True and a model with attention sinks, one more column: the share each sink took (B, H, T, T + 1).
 
     A forward pre-hook captures the layer's input (normed hidden states, RoPE tables, mask); the
-    scores are then recomputed exactly as the layer does inside scaled_dot_product_attention.
+    probabilities are then recomputed by the layer's own `probabilities` (its scale, soft-cap and sinks).
     """
     attn = model.layers[layer].self_attn
     captured: dict[str, tuple] = {}
@@ -70,12 +71,11 @@ def attention_weights(model: Transformer, ids: torch.Tensor, layer: int) -> torc
     x, rope, mask, _ = captured["args"]
     B, T, _ = x.shape
     q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
-    k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
     if mask is None:  # the model relied on SDPA's is_causal (with causal=False: no mask at all)
         slots = torch.arange(T, device=x.device)[None]
         mask = build_mask(slots, slots, None, x.dtype) if attn.causal else torch.zeros(1, 1, T, T, dtype=x.dtype, device=x.device)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(attn.head_dim) + mask.float()  # (B, H, T, T)
-    return scores.softmax(dim=-1)
+    probs = attn.probabilities(q, k, mask.float())  # (B, H, T, T [+ 1])
+    return probs if sink else probs[..., :T]
 
 
 def plot_attention(model: Transformer, tokenizer, prompt: str, layer: int, out: str | Path) -> Path:
@@ -86,7 +86,9 @@ def plot_attention(model: Transformer, tokenizer, prompt: str, layer: int, out: 
     if not -n_layers <= layer < n_layers:
         raise DecoderLMError(f"--layer {layer} is out of range; this model has layers 0..{n_layers - 1}")
     layer %= n_layers
-    weights = attention_weights(model, torch.tensor([ids], device=next(model.parameters()).device), layer)[0].cpu()  # (H, T, T)
+    weights = attention_weights(model, torch.tensor([ids], device=next(model.parameters()).device), layer, sink=True)[0].cpu()
+    sinks = weights[..., len(ids):].sum(-1).mean(-1) if weights.shape[-1] > len(ids) else None  # (H,): mean share the sink took
+    weights = weights[..., : len(ids)]  # (H, T, T)
     tokens = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
     H = weights.shape[0]
     cols = min(H, 4)
@@ -98,12 +100,13 @@ def plot_attention(model: Transformer, tokenizer, prompt: str, layer: int, out: 
             ax.set_axis_off()
             continue
         ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"head {h}", fontsize=10)
+        ax.set_title(f"head {h}" + (f" (sink takes {sinks[h]:.0%})" if sinks is not None else ""), fontsize=10)
         if len(tokens) <= 32:
             _label_axes(ax, tokens, fontsize=7)
         ax.xaxis.label.set_visible(h // cols == rows - 1)
         ax.yaxis.label.set_visible(h % cols == 0)
-    fig.suptitle(f"Attention weights, layer {layer} ({H} heads): {prompt[:60]!r}")
+    sunk = f"; the attention sinks take {sinks.mean():.0%} of the mass" if sinks is not None else ""
+    fig.suptitle(f"Attention weights, layer {layer} ({H} heads){sunk}: {prompt[:60]!r}")
     return _save(fig, out)
 
 

@@ -102,11 +102,11 @@ class Attention(nn.Module):
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
-        """softmax(cap(q·kᵀ · scale) + mask [, sink]) · v in fp32, for queries (B, H, T, D) over keys (B, Hkv, L, D)."""
+    def probabilities(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+        """softmax(cap(q·kᵀ · scale) + mask) in fp32 for queries (B, H, T, D) over keys (B, Hkv, L, D):
+        (B, H, T, L), and with sinks one more column (B, H, T, L + 1), the sink's share of each row."""
         T, L = q.shape[2], k.shape[2]
-        group = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, L, D)
+        k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, L, D)
         scores = (q.float() @ k.float().transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)  # (B, H, T, L)
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
@@ -114,9 +114,12 @@ class Attention(nn.Module):
             scores = scores + mask
         elif is_causal:
             scores = scores.masked_fill(~torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T), float("-inf"))
-        if self.sinks is None:
-            probs = scores.softmax(dim=-1)
-        else:  # the sink's share of each row is dropped: it has no value to add
-            sink = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # (B, H, T, 1)
-            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
-        return (probs @ v.float()).to(q.dtype)  # (B, H, T, D)
+        if self.sinks is not None:
+            scores = torch.cat((scores, self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)), dim=-1)  # (B, H, T, L + 1)
+        return scores.softmax(dim=-1)
+
+    def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+        """Attention (B, H, T, D) from `probabilities`; the sink's share is dropped: it has no value to add."""
+        probs = self.probabilities(q, k, mask, is_causal)[..., : k.shape[2]]  # (B, H, T, L)
+        v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, L, D)
+        return (probs @ v.float()).to(q.dtype)
