@@ -5,11 +5,14 @@ factor. The model talks to any cache through the four methods of `Cache`: where 
 (`positions`), which cached keys each of them may see (`mask`), `update` from each attention layer,
 and `advance` once per forward. `KVCache` is the contiguous cache of one batch of equal-length rows;
 `RollingKVCache` keeps only a sliding-window model's last window of tokens (Mistral's rolling buffer);
+`HybridKVCache` gives a model mixing sliding and full layers (Gemma-2/3, gpt-oss) one of each;
 `StaticKVCache` never changes shape, for a compiled decode step (`decoderlm.compiled`); the serving
 engine's paged cache implements the same contract for rows of different lengths.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -73,8 +76,9 @@ class RollingKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        if config.sliding_window is None or config.layer_types is not None:
-            raise DecoderLMError("RollingKVCache needs a model with sliding_window in every layer; use KVCache for full or mixed attention")
+        if config.sliding_window is None or None in config.windows:
+            raise DecoderLMError("RollingKVCache needs a model with sliding_window in every layer; use KVCache for full attention, "
+                                 "HybridKVCache for mixed layer_types")
         self.window = config.sliding_window
         self.size = self.window - 1
         shape = (batch_size, config.n_kv_heads, self.size, config.head_dim)  # (B, Hkv, W-1, D)
@@ -120,13 +124,52 @@ class RollingKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+class HybridKVCache:
+    """Sliding and full layers in one model (layer_types): the sliding layers' keys in a `RollingKVCache`
+    (the last window − 1 tokens), the full layers' in a `KVCache` (every token). Each attention kind asks
+    for its mask by its window, each layer stores into its kind's cache."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        sliding = [i for i in range(config.n_layers) if config.window(i) is not None]
+        full = [i for i in range(config.n_layers) if config.window(i) is None]
+        if not sliding or not full:
+            raise DecoderLMError("HybridKVCache needs a model with both sliding and full layers; use cache_for")
+        self.full = KVCache(dataclasses.replace(config, n_layers=len(full), layer_types=None), batch_size, max_len, dtype, device)
+        self.rolling = RollingKVCache(dataclasses.replace(config, n_layers=len(sliding), layer_types=None), batch_size, dtype, device)
+        self.route = {layer: (self.rolling, j) for j, layer in enumerate(sliding)} | {layer: (self.full, j) for j, layer in enumerate(full)}
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        return self.full.length
+
+    def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        return self.full.positions(T, attention_mask, device)
+
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return (self.full if window is None else self.rolling).mask(T, attention_mask, window, dtype, device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, j = self.route[layer]
+        return cache.update(j, k, v)
+
+    def advance(self, n: int) -> None:
+        self.full.advance(n)
+        self.rolling.advance(n)
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.rolling.nbytes()
+
+
 def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> KVCache | RollingKVCache:
-    """The cache for up to max_len tokens: a rolling one when a sliding window in every layer makes it
-    smaller. A model mixing sliding and full layers (layer_types) gets the contiguous cache: its sliding
-    layers keep every token too, hidden by their mask."""
-    if config.sliding_window is not None and config.layer_types is None and config.sliding_window <= max_len:
-        return RollingKVCache(config, batch_size, dtype, device)
+              device: torch.device | str = "cpu") -> KVCache | RollingKVCache | HybridKVCache:
+    """The cache for up to max_len tokens: where a sliding window makes it smaller, a rolling one (every
+    layer sliding) or a hybrid one (sliding and full layers mixed)."""
+    if config.sliding_window is not None and config.sliding_window <= max_len:
+        if None not in config.windows:
+            return RollingKVCache(config, batch_size, dtype, device)
+        return HybridKVCache(config, batch_size, max_len, dtype, device)
     return KVCache(config, batch_size, max_len, dtype, device)
 
 

@@ -15,7 +15,7 @@ import decoderlm.cli as cli
 from decoderlm.generate import generate
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec
-from decoderlm.kv_cache import KVCache, StaticKVCache, cache_for
+from decoderlm.kv_cache import HybridKVCache, KVCache, StaticKVCache, cache_for
 from decoderlm.loader import load
 from decoderlm.model.rope import attention_factor
 from decoderlm.sampling import SamplingParams
@@ -76,13 +76,22 @@ def test_quantized_loads_run(checkpoint, quantize):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
 
 
-def test_mixed_layer_kinds_keep_the_contiguous_cache():
-    """A rolling cache would drop what the full layers still see: mixed models get the contiguous one."""
-    from decoderlm.config import ModelConfig
-
-    mixed = ModelConfig(vocab_size=32, n_layers=2, d_model=32, n_heads=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
-    assert isinstance(cache_for(mixed, 1, 64), KVCache) and mixed.windows == [4, None]
-    assert type(cache_for(ModelConfig(vocab_size=32, n_layers=2, d_model=32, n_heads=2, sliding_window=4), 1, 64)).__name__ == "RollingKVCache"
+def test_hybrid_cache_holds_a_window_for_sliding_layers_and_everything_for_full_ones(checkpoint):
+    """Decoding through `cache_for`'s cache (a rolling ring for the 2 sliding layers, a contiguous buffer for
+    the full one) equals recomputation, a prefill longer than the window included, and its bytes are the ring's
+    5 slots per sliding layer plus 64 per full layer."""
+    folder, _, _ = checkpoint
+    model, _ = load(folder)
+    cache = cache_for(model.config, 2, 64)
+    assert isinstance(cache, HybridKVCache)
+    assert cache.nbytes() == (2 * 5 + 1 * 64) * 2 * 2 * 2 * 16 * 4  # (slots) × K,V × batch × heads × head_dim × fp32
+    ids = prompt_ids(24, seed=4)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = [model(ids[:, :9], cache=cache).logits[:, -1]]
+        got += [model(ids[:, t : t + 1], cache=cache).logits[:, -1] for t in range(9, 24)]
+    assert (torch.stack(got, dim=1) - want[:, 8:]).abs().max().item() < 1e-4
+    assert isinstance(cache_for(model.config, 2, 4), KVCache)  # a window past the context: full attention
 
 
 def test_generate_cli_prints_transformers_greedy_continuation(tmp_path, capsys):
