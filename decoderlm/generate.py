@@ -124,13 +124,26 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     cache = step.new_cache(n_slots) if step is not None and proposer is None else None
     if cache is None:
         step = None
-        cache = KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
+
+    def fresh_cache():
+        if step is not None:
+            return step.new_cache(n_slots)
+        return KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
+
+    if cache is None:
+        cache = fresh_cache()
+    scaling = model.config.rope_scaling or {}
+    switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
     if proposer is not None:
         proposer.start(n_slots, model.config.vocab_size)
     emitted = 0
     while True:
         if len(ids) > max_len:
             cache = None
+        elif switch is not None and cache is not None and 0 < cache.length <= switch < len(ids):
+            # LongRoPE turns to its long factors past the original context: the keys cached under the
+            # short ones are computed again (a fresh prefill), as transformers' generate does
+            cache = fresh_cache()
         n = min(k, budget - emitted - 1, max_len - len(ids)) if proposer is not None and cache is not None else 0
         guesses, q = proposer.propose(ids, n, params, generator) if n > 0 else ([], None)
         guesses, q = guesses[:n], (q[:n] if q is not None else None)

@@ -198,9 +198,11 @@ def read_rope(d: dict[str, Any], default_theta: float = 10000.0) -> dict[str, An
     scaling = None
     if kind != "default":
         scaling = {"rope_type": kind, **params}
-        if kind == "llama3":  # transformers falls back to the model's context when the file omits it
+        if kind in ("llama3", "longrope"):  # transformers falls back to the model's context when the file omits it
             context = d.get("original_max_position_embeddings") or d["max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", context)
+        if kind == "longrope" and d.get("original_max_position_embeddings"):  # Phi-3 keeps it beside: that one counts
+            scaling["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     return dict(rope_theta=float(theta), rope_scaling=scaling, partial_rotary_factor=float(partial))
 
 

@@ -5,7 +5,11 @@ rotated by angle pos · θ^(-2i/rot_dim). Scaling variants stretch the low frequ
 reaches beyond its training context: linear (all of them), Llama 3 (long wavelengths only, blended),
 YaRN (interpolate the frequencies that turn less than beta_slow times in the original context, keep
 those that turn more than beta_fast times, ramp in between; and scale cos/sin by its attention factor,
-0.1·ln(factor) + 1, which sharpens the softmax the longer context flattens).
+0.1·ln(factor) + 1, which sharpens the softmax the longer context flattens). Two variants depend on how
+far a forward reaches (`frequencies_at`): LongRoPE (Phi-3) divides each frequency by its short_factor,
+or by its long_factor once the sequence passes the original context; dynamic NTK raises the base once
+the sequence passes max_position_embeddings. With a cache, as in transformers, keys cached before the
+switch keep their rotation.
 """
 
 from __future__ import annotations
@@ -30,13 +34,35 @@ def inverse_frequencies(rot_dim: int, theta: float, scaling: dict[str, Any] | No
         return _llama3(inv_freq, scaling).float()
     if kind == "yarn":
         return _yarn(inv_freq, rot_dim, theta, scaling).float()
+    if kind == "longrope":  # the short factors; `frequencies_at` gives the long ones
+        return _divide(inv_freq, scaling["short_factor"], "short_factor").float()
+    if kind == "dynamic":  # the plain frequencies up to max_position_embeddings; `frequencies_at` gives the later ones
+        return inv_freq.float()
     if kind == "freq_factors":  # one divisor per frequency, as GGUF's rope_freqs tensor stores any scaling
-        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
-        if factors.shape != inv_freq.shape:
-            raise DecoderLMError(f"rope_scaling freq_factors has {factors.numel()} factors, expected {inv_freq.numel()} (rot_dim/2); "
-                                 "fix the config")
-        return (inv_freq / factors).float()
-    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn, freq_factors")
+        return _divide(inv_freq, scaling["factors"], "freq_factors").float()
+    raise DecoderLMError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn, longrope, dynamic, "
+                         "freq_factors")
+
+
+def _divide(inv_freq: torch.Tensor, factors: list[float], name: str) -> torch.Tensor:
+    divisors = torch.tensor(factors, dtype=torch.float64)
+    if divisors.shape != inv_freq.shape:
+        raise DecoderLMError(f"rope_scaling {name} has {divisors.numel()} factors, expected {inv_freq.numel()} (rot_dim/2); fix the config")
+    return inv_freq / divisors
+
+
+def frequencies_at(rot_dim: int, theta: float, scaling: dict[str, Any] | None, seq_len: int, max_seq_len: int) -> torch.Tensor | None:
+    """The inverse frequencies of a forward whose last position is seq_len − 1, where they differ from
+    `inverse_frequencies` (LongRoPE past the original context, dynamic NTK past max_seq_len); else None."""
+    kind = (scaling or {}).get("rope_type")
+    if kind == "longrope" and seq_len > scaling["original_max_position_embeddings"]:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+        return _divide(inv_freq, scaling["long_factor"], "long_factor").float()
+    if kind == "dynamic" and seq_len > max_seq_len:
+        factor = scaling["factor"]
+        base = theta * ((factor * seq_len / max_seq_len) - (factor - 1)) ** (rot_dim / (rot_dim - 2))
+        return (1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))).float()
+    return None
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -68,13 +94,20 @@ def _yarn(inv_freq: torch.Tensor, rot_dim: int, theta: float, s: dict[str, Any])
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
-def attention_factor(scaling: dict[str, Any] | None) -> float:
+def attention_factor(scaling: dict[str, Any] | None, max_seq_len: int | None = None) -> float:
     """What cos and sin are multiplied by (so every q·k score by its square): YaRN's 0.1·ln(factor) + 1
-    (or the ratio of two such with mscale / mscale_all_dim, or the config's attention_factor); 1 otherwise."""
-    if not scaling or scaling.get("rope_type") != "yarn":
+    (or the ratio of two such with mscale / mscale_all_dim), LongRoPE's sqrt(1 + ln(factor) / ln(original
+    context)) with factor max_seq_len / original context unless given; the config's attention_factor
+    first; 1 otherwise."""
+    kind = (scaling or {}).get("rope_type")
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":
+        old_ctx = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or (max_seq_len or old_ctx) / old_ctx
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
 
     def mscale(factor: float, m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0

@@ -21,7 +21,7 @@ from decoderlm.model.cache import Cache, causal_mask, default_positions
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
-from decoderlm.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
+from decoderlm.model.rope import attention_factor, frequencies_at, inverse_frequencies, rope_cos_sin
 
 IGNORE_INDEX = -100
 
@@ -95,7 +95,7 @@ class Transformer(nn.Module):
         rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         device = self.norm.weight.device  # the embedding may be quantized
         self.register_buffer("inv_freq", inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling).to(device), persistent=False)
-        self.rope_factor = attention_factor(cfg.rope_scaling)
+        self.rope_factor = attention_factor(cfg.rope_scaling, cfg.max_seq_len)
         if cfg.rope_local_theta is not None:  # the sliding layers' own base and scaling (Gemma-3)
             inv_freq = inverse_frequencies(rot_dim, cfg.rope_local_theta, cfg.rope_local_scaling)
             self.register_buffer("inv_freq_local", inv_freq.to(device), persistent=False)
@@ -146,7 +146,12 @@ class Transformer(nn.Module):
                 raise DecoderLMError(f"sequence reaches position {last}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
             x = x + self.embed_positions(positions)
         else:
-            rope = rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_factor)  # (B, T, 1, rot_dim) each
+            inv_freq = self.inv_freq
+            if (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "dynamic"):  # frequencies that depend on the length reached
+                rot_dim = 2 * inv_freq.shape[0]
+                reached = frequencies_at(rot_dim, cfg.rope_theta, cfg.rope_scaling, int(positions.max()) + 1, cfg.max_seq_len)
+                inv_freq = inv_freq if reached is None else reached.to(inv_freq.device)
+            rope = rope_cos_sin(positions, inv_freq, x.dtype, self.rope_factor)  # (B, T, 1, rot_dim) each
             if cfg.rope_local_theta is not None:
                 local_rope = rope_cos_sin(positions, self.inv_freq_local, x.dtype, self.rope_local_factor)
         x = self.dropout(x)

@@ -1,0 +1,67 @@
+"""RoPE variants whose frequencies depend on how far a forward reaches, against transformers: Phi-3's
+LongRoPE (short factors within the original context, long ones past it, and its attention factor) and
+dynamic NTK (a larger base past max_position_embeddings). Both switch per forward, as transformers does,
+so cached decoding is compared with transformers' own cached decoding (greedy tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import LLAMA, prompt_ids
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decoderlm.generate import generate
+from decoderlm.loader import load
+from decoderlm.sampling import SamplingParams
+
+LONG = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # one divisor per frequency (head_dim 16: 8)
+SHORT = [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0]
+VARIANTS = {
+    "phi3-longrope": ("phi3", LLAMA | dict(max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "long_factor": LONG, "short_factor": SHORT})),
+    "llama-dynamic": ("llama", LLAMA | dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, tmp_path_factory):
+    from hf_models import write_tokenizer
+
+    model_type, kwargs = VARIANTS[request.param]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    write_tokenizer(folder)
+    return hf, load(folder)[0], request.param
+
+
+@pytest.mark.parametrize("n", [12, 30])  # within the switch point (16) and past it
+def test_logits_match_transformers_on_both_sides_of_the_switch(pair, n):
+    hf, ours, _ = pair
+    ids = prompt_ids(n)
+    with torch.no_grad():
+        hf_logits = hf(ids).logits
+        assert (hf_logits - ours(ids).logits).abs().max().item() < 1e-4
+
+
+def test_greedy_decoding_across_the_switch_matches_transformers(pair):
+    hf, ours, case = pair
+    if case == "llama-dynamic":
+        pytest.skip("generate keeps a model within max_position_embeddings, which dynamic NTK is for leaving")
+    ids = prompt_ids(10, seed=2)[:1]  # 10 + 20 tokens: the switch at 16 falls in the decoding
+    with torch.no_grad():
+        want = hf.generate(ids, do_sample=False, max_new_tokens=20)[0, 10:].tolist()
+    assert generate(ours, ids[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=20)) == want
+
+
+def test_configs_name_the_variant(pair):
+    _, ours, case = pair
+    scaling = ours.config.rope_scaling
+    assert scaling["rope_type"] == case.split("-")[1]
+    if case == "phi3-longrope":
+        assert scaling["original_max_position_embeddings"] == 16 and ours.rope_factor > 1
