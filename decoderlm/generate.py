@@ -121,16 +121,15 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     # Slots: the prompt, plus one per sampled token but the last (it is never fed); guesses past the
     # budget are never made, so they need no room of their own.
     n_slots = min(prompt_len + budget - 1, max_len)
-    cache = step.new_cache(n_slots) if step is not None and proposer is None else None
-    if cache is None:
-        step = None
 
-    def fresh_cache():
+    def fresh_cache():  # the compiled step's static cache (loaded once: the same again), else an eager one
         if step is not None:
             return step.new_cache(n_slots)
         return KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
 
+    cache = step.new_cache(n_slots) if step is not None and proposer is None else None
     if cache is None:
+        step = None
         cache = fresh_cache()
     scaling = model.config.rope_scaling or {}
     switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
