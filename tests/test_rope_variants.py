@@ -11,6 +11,7 @@ from hf_models import LLAMA, prompt_ids
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decoderlm.generate import generate
+from decoderlm.inspect.arch import spec_from_model_config
 from decoderlm.loader import load
 from decoderlm.sampling import SamplingParams
 
@@ -63,5 +64,9 @@ def test_configs_name_the_variant(pair):
     _, ours, case = pair
     scaling = ours.config.rope_scaling
     assert scaling["rope_type"] == case.split("-")[1]
+    features = spec_from_model_config(ours.config).features()
     if case == "phi3-longrope":
         assert scaling["original_max_position_embeddings"] == 16 and ours.rope_factor > 1
+        assert "positions: RoPE θ=10,000, longrope scaling ×4 from 16 to 64 tokens" in features
+    else:
+        assert "positions: RoPE θ=10,000, dynamic scaling ×2" in features

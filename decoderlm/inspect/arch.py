@@ -117,7 +117,7 @@ class ArchSpec:
                 if kind == "freq_factors":  # GGUF's rope_freqs: one divisor per frequency
                     scaling = f", per-frequency scaling (divisors {min(self.rope_scaling['factors']):g}..{max(self.rope_scaling['factors']):g})"
                 else:
-                    factor = self.rope_scaling.get("factor", 1)
+                    factor = self.rope_scaling.get("factor") or (self.max_seq_len / orig if orig else 1)  # LongRoPE may leave it implicit
                     scaling = f", {kind} scaling ×{factor:g}" + (f" from {orig:,} to {int(orig * factor):,} tokens" if orig else "")
             local = f"; sliding layers θ={self.rope_local_theta:,.0f}" if self.rope_local_theta is not None else ""
             lines.append(f"positions: RoPE θ={self.rope_theta:,.0f}{scaling}{local}")

@@ -75,6 +75,7 @@ class Transformer(nn.Module):
         self.embed_positions = nn.Embedding(config.max_seq_len, config.d_model) if config.position == "learned" else None
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.windows = config.windows  # the attention kinds: one mask per forward for each
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -96,6 +97,7 @@ class Transformer(nn.Module):
         device = self.norm.weight.device  # the embedding may be quantized
         self.register_buffer("inv_freq", inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling).to(device), persistent=False)
         self.rope_factor = attention_factor(cfg.rope_scaling, cfg.max_seq_len)
+        self.rope_by_length = (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "dynamic")  # frequencies depend on the length reached
         if cfg.rope_local_theta is not None:  # the sliding layers' own base and scaling (Gemma-3)
             inv_freq = inverse_frequencies(rot_dim, cfg.rope_local_theta, cfg.rope_local_scaling)
             self.register_buffer("inv_freq_local", inv_freq.to(device), persistent=False)
@@ -147,7 +149,7 @@ class Transformer(nn.Module):
             x = x + self.embed_positions(positions)
         else:
             inv_freq = self.inv_freq
-            if (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "dynamic"):  # frequencies that depend on the length reached
+            if self.rope_by_length:
                 rot_dim = 2 * inv_freq.shape[0]
                 reached = frequencies_at(rot_dim, cfg.rope_theta, cfg.rope_scaling, int(positions.max()) + 1, cfg.max_seq_len)
                 inv_freq = inv_freq if reached is None else reached.to(inv_freq.device)
@@ -156,7 +158,7 @@ class Transformer(nn.Module):
                 local_rope = rope_cos_sin(positions, self.inv_freq_local, x.dtype, self.rope_local_factor)
         x = self.dropout(x)
         masks = {}  # one per attention kind (window) the layers use
-        for window in cfg.windows:
+        for window in self.windows:
             if cache is not None:
                 mask = cache.mask(T, attention_mask, window, x.dtype, x.device)
             else:
