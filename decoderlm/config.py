@@ -183,6 +183,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # seed-char-llama with QK-norm; its recipe (decoderlm.train.config.RECIPES) trains with Muon. What each
     # change is worth: benchmarks/experiments.py, improvements.
     "seed-char-plus": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, ffn_hidden=344, tie_embeddings=True, qk_norm=True, family="llama"),
+    # seed-char-llama's size with the newer architectures' parts: Gemma-3's 3 sliding (window 16) : 1 full
+    # layers with their own RoPE bases, sandwich and q/k norms; gpt-oss's sinks and 4 clamped-SwiGLU experts.
+    "gemma3-tiny": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, n_kv_heads=1, head_dim=32, max_seq_len=64, ffn_hidden=344,
+                        mlp="geglu", norm_eps=1e-6, embed_scale=128 ** 0.5, norm_offset=1.0, sandwich_norm=True, qk_norm=True,
+                        query_pre_attn_scalar=32, sliding_window=16, layer_types=[*["sliding_attention"] * 3, "full_attention"],
+                        rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True, family="gemma3_text"),
+    "gpt-oss-tiny": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, max_seq_len=64, ffn_hidden=128,
+                         mlp="swiglu_clamped", attn_bias=True, attn_out_bias=True, mlp_bias=True, attn_sinks=True, n_experts=4,
+                         n_experts_per_tok=2, moe_hidden=128, router_bias=True, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"] * 2, rope_theta=150000.0, tie_embeddings=True, family="gpt_oss"),
     "gpt2-124m": dict(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, max_seq_len=1024, norm_eps=1e-5, **GPT2),
     "llama-tiny": dict(vocab_size=32000, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama"),
     "llama-3.1-8b": dict(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, family="llama"),

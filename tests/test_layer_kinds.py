@@ -177,3 +177,37 @@ def test_explain_attention_png_names_the_sink_share(tmp_path):
     make_hf_model("gpt_oss", tmp_path / "m")
     model, tok = load(tmp_path / "m")
     assert plot_attention(model, tok, "The quick brown fox", 1, tmp_path / "a.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "gpt-oss-tiny"])
+def test_presets_train_and_convert_to_transformers(preset, corpus, tmp_path):
+    """A few steps lower the loss (soft-capping, sinks and experts all take gradients); the run converts to
+    an HF folder transformers loads to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from decoderlm.formats import runs
+    from decoderlm.formats.hf import save_hf
+    from decoderlm.train import TrainConfig, train
+
+    train(TrainConfig(data=str(corpus), out=str(tmp_path / "run"), preset=preset, batch_size=4, context=32, max_steps=30,
+                      eval_interval=30, log_interval=10, sample_chars=0, lr=3e-3))
+    history = runs.read(tmp_path / "run")["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.3
+    model, tok = load(tmp_path / "run")
+    save_hf(model, tok, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))  # longer than the window
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max().item() < 1e-4
+
+
+def test_gpt_oss_config_without_rope_reads_transformers_default_yarn():
+    import json
+    from pathlib import Path
+
+    from decoderlm.formats.hf import config_from_hf
+
+    d = json.loads((Path(__file__).parent / "fixtures" / "configs" / "gpt-oss-20b.json").read_text())
+    del d["rope_scaling"]
+    scaling = config_from_hf(d).rope_scaling
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 32.0 and scaling["original_max_position_embeddings"] == 4096

@@ -376,7 +376,13 @@ def _write_gemma3(c: ModelConfig) -> dict[str, Any]:
                                        SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta, **(c.rope_local_scaling or {})}})
 
 
+# transformers' RoPE for a gpt_oss config.json that names none: YaRN ×32 from 4,096.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+
+
 def _read_gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
+    if not d.get("rope_scaling") and not d.get("rope_parameters"):
+        d = {**d, "rope_parameters": GPT_OSS_ROPE}
     return _read_llama_like({**d, "sliding_window": None}, theta=150000.0, eps=1e-5) | _layer_types(d, 2) | dict(
         mlp="swiglu_clamped", mlp_bias=True, attn_sinks=True, router_bias=True,
         n_experts=d.get("num_local_experts", 128), n_experts_per_tok=d.get("num_experts_per_tok", 4), moe_hidden=d["intermediate_size"],
@@ -387,8 +393,8 @@ def _write_gpt_oss(c: ModelConfig) -> dict[str, Any]:
     out = _write_llama_like(c) | _write_layer_types(c) | dict(
         num_local_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, intermediate_size=c.moe_hidden,
         swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha)
-    del out["hidden_act"], out["mlp_bias"]
-    return out
+    del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
+    return out | dict(rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})})
 
 
 def _read_olmo2(d: dict[str, Any]) -> dict[str, Any]:
