@@ -121,5 +121,7 @@ class Attention(nn.Module):
     def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
         """Attention (B, H, T, D) from `probabilities`; the sink's share is dropped: it has no value to add."""
         probs = self.probabilities(q, k, mask, is_causal)[..., : k.shape[2]]  # (B, H, T, L)
+        if self.training and self.dropout:
+            probs = F.dropout(probs, self.dropout)
         v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, L, D)
         return (probs @ v.float()).to(q.dtype)
