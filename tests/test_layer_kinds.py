@@ -211,3 +211,16 @@ def test_gpt_oss_config_without_rope_reads_transformers_default_yarn():
     del d["rope_scaling"]
     scaling = config_from_hf(d).rope_scaling
     assert scaling["rope_type"] == "yarn" and scaling["factor"] == 32.0 and scaling["original_max_position_embeddings"] == 4096
+
+
+def test_a_pre_quantized_checkpoint_is_refused_in_one_line(tmp_path):
+    """The published gpt-oss checkpoints store their experts as MXFP4 blocks and scales."""
+    import json
+
+    from decoderlm.errors import DecoderLMError
+
+    make_hf_model("gpt_oss", tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(d | {"quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(DecoderLMError, match="holds mxfp4 weights .* Mxfp4Config\\(dequantize=True\\)"):
+        load(tmp_path)

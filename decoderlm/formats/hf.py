@@ -71,7 +71,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Transformer, HFTokenizer]:
     """(model in eval mode on `device`, tokenizer) from an HF folder."""
     path = Path(path)
-    config = config_from_hf(read_config(path))
+    d = read_config(path)
+    if d.get("quantization_config"):  # gpt-oss ships its experts in MXFP4 blocks and scales, others in GPTQ/AWQ/FP8 layouts
+        method = d["quantization_config"].get("quant_method", "pre-quantized")
+        raise DecoderLMError(f"{path} holds {method} weights (config.json's quantization_config), which decoderlm does not read; "
+                             "dequantize it with transformers (for gpt-oss: Mxfp4Config(dequantize=True)) and save_pretrained, "
+                             "then load that folder (or pass --quantize int8/int4 to decoderlm)")
+    config = config_from_hf(d)
     if not (path / "tokenizer.json").is_file():
         raise DecoderLMError(f"{path} has no tokenizer.json (decoderlm reads the fast-tokenizer file); "
                              "copy the tokenizer files from the original checkpoint into it")
