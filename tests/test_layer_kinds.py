@@ -224,3 +224,20 @@ def test_a_pre_quantized_checkpoint_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d | {"quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(DecoderLMError, match="holds mxfp4 weights .* Mxfp4Config\\(dequantize=True\\)"):
         load(tmp_path)
+
+
+def test_left_padded_batch_through_the_hybrid_cache_equals_each_row_alone(checkpoint):
+    folder, _, _ = checkpoint
+    model, _ = load(folder)
+    ids = prompt_ids(20, seed=5)
+    pad = 3  # row 0 starts 3 tokens late
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :pad] = 0
+    with torch.no_grad():
+        alone = [model(ids[:1, pad:]).logits[0, -9:-1], model(ids[1:]).logits[0, -9:-1]]  # after tokens 11..18
+        cache = cache_for(model.config, 2, 20)
+        got = [model(ids[:, :12], cache=cache, attention_mask=mask[:, :12]).logits[:, -1]]
+        got += [model(ids[:, t : t + 1], cache=cache, attention_mask=mask[:, : t + 1]).logits[:, -1] for t in range(12, 19)]
+    got = torch.stack(got, dim=1)  # (2, 8, V): the logits after tokens 11..18
+    assert isinstance(cache, HybridKVCache)
+    assert max((got[i] - alone[i]).abs().max().item() for i in range(2)) < 1e-4
