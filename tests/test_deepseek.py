@@ -15,19 +15,22 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import decoderlm.cli as cli
+from decoderlm import compiled
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.hf import config_from_hf, save_hf
-from decoderlm.generate import decode_step, generate, prefill
+from decoderlm.generate import decode_step, generate, prefill, stream
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec
 from decoderlm.kv_cache import KVCache, StaticKVCache
 from decoderlm.loader import load
+from decoderlm.model.lora import apply_lora, lora_layers
 from decoderlm.model.mla import MLA, softmax_scale
 from decoderlm.quantize import Int8Linear
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
 from decoderlm.serve.paged_cache import BlockPool
+from decoderlm.speculative import DraftModel, PromptLookup
 
 TOL = 1e-4
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=3,
@@ -177,6 +180,33 @@ def test_paged_engine_gives_each_request_its_solo_tokens(pair):
     assert [[o.token_id for o in s if o.token_id is not None] for s in streams] == expected
 
 
+def test_speculative_greedy_decoding_gives_plain_greedy_tokens(pair):
+    """Guesses checked several at a time (the expanded form over the latent cache), rejected ones truncated."""
+    _, ours, _, _ = pair
+    prompt = prompt_ids(10, seed=7)[0].tolist() * 2  # repeats: prompt lookup finds guesses
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    want = generate(ours, prompt, greedy)
+    for proposer in (DraftModel(ours), PromptLookup()):
+        assert list(stream(ours, prompt, greedy, proposer=proposer, num_speculative_tokens=3)) == want
+
+
+def test_lora_on_kv_b_proj_decodes_in_the_expanded_form(pair):
+    """An adapter on the up-projection: cached decoding still equals recomputation (the absorbed form
+    would read the base matrix alone)."""
+    _, _, _, folder = pair
+    model, _ = load(folder, fuse=False)
+    apply_lora(model, rank=2, alpha=4.0, targets=["kv_b_proj"])
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B["default"].weight.normal_()
+    ids = prompt_ids(12, seed=8)
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = KVCache(model.config, batch_size=2, max_len=12)
+        got = [prefill(model, ids[:, :6], cache)] + [decode_step(model, ids[:, t], cache) for t in range(6, 12)]
+    assert (torch.stack(got, dim=1) - want[:, 5:]).abs().max().item() < 1e-5
+
+
 def test_int8_quantized_load_keeps_kv_b_proj_in_float(pair):
     _, ours, _, folder = pair
     q, _ = load(folder, quantize="int8")
@@ -245,3 +275,34 @@ def test_yarn_softmax_scale_is_transformers():
 def test_bad_moe_groups_are_refused():
     with pytest.raises(DecoderLMError, match="cannot give 3 experts per token"):
         ModelConfig(vocab_size=8, n_layers=1, d_model=16, n_heads=2, n_experts=8, n_experts_per_tok=3, moe_groups=4, moe_topk_groups=1)
+
+
+def test_explain_attention_weights_rebuild_the_mla_output(pair):
+    """`decoderlm explain attention` on MLA: its weights, applied to the up-projected values, give the layer's output."""
+    _, ours, _, _ = pair
+    from decoderlm.inspect.explain import attention_weights
+
+    attn, ids, seen = ours.layers[1].self_attn, prompt_ids(12)[:1], {}
+    handle = attn.register_forward_hook(lambda module, args, output: seen.update(x=args[0], out=output))
+    weights = attention_weights(ours, ids, layer=1)  # (1, H, T, T)
+    handle.remove()
+    B, T, _ = seen["x"].shape
+    assert weights.triu(1).abs().max() == 0
+    with torch.inference_mode():
+        latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(seen["x"])[..., : attn.rank])[:, None]  # (B, 1, T, r)
+        v = attn.kv_b_proj(latent[:, 0]).view(B, T, attn.n_heads, -1)[..., attn.nope :].transpose(1, 2)  # (B, H, T, v)
+        rebuilt = attn.o_proj((weights @ v).transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(rebuilt, seen["out"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_over_the_latent_cache(tmp_path, monkeypatch):
+    """AOTInductor compiles the absorbed step over the static latent cache (~1 min): eager's tokens.
+    (A MoE model's step does not export, its expert loop branching on data, and decodes eagerly, as Mixtral's does.)"""
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path / "cache"))
+    make_model("deepseek_v3-halves-dense", tmp_path / "model")
+    model, _ = load(tmp_path / "model")
+    params, prompts = SamplingParams(temperature=0, max_new_tokens=12), [[5, 17, 3], list(range(40, 70))]
+    decoder = compiled.CompiledDecoder(model)
+    assert [generate(model, p, params, step=decoder) for p in prompts] == [generate(model, p, params) for p in prompts]
+    assert decoder.compiles == 1 and None not in decoder.runners.values()

@@ -76,21 +76,34 @@ class MLA(nn.Module):
         self.scale = softmax_scale(config)
         self.interleaved = config.rope_interleave
         self.dropout = config.dropout
+        self.causal = config.causal
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        H = self.n_heads
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).split((self.nope, self.rope), dim=-1)  # (B, T, H, ·)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
-        latent = self.kv_a_layernorm(latent)[:, None]  # (B, 1, T, r): one "head"
-        q_rope, k_rope = self.rotate(q_rope, rope), self.rotate(k_rope.view(B, T, 1, self.rope), rope)
-        k_rope = k_rope.transpose(1, 2)  # (B, 1, T, rope)
+        q_nope, q_rope, latent, k_rope = self.project(x, rope)
         if cache is not None:
             latent, k_rope = cache.update(self.layer, latent, k_rope)  # (B, 1, L, ·): every token so far
-        attend = self.absorbed if cache is not None and T == 1 else self.expanded
-        y = attend(q_nope.transpose(1, 2), q_rope.transpose(1, 2), latent, k_rope, mask, cache)  # (B, H, T, v)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        # One new token per row: the absorbed form, which needs kv_b_proj as a matrix (a LoRA-wrapped one decodes expanded).
+        attend = self.absorbed if cache is not None and T == 1 and isinstance(self.kv_b_proj, nn.Linear) else self.expanded
+        y = attend(q_nope, q_rope, latent, k_rope, mask, cache)  # (B, H, T, v)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """x (B, T, d_model) → q_nope (B, H, T, nope), q_rope (B, H, T, rope), and what the cache keeps:
+        latent (B, 1, T, r) and k_rope (B, 1, T, rope), each a single "head" shared by all."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(B, T, self.n_heads, self.nope + self.rope).split((self.nope, self.rope), dim=-1)  # (B, T, H, ·)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
+        q_rope, k_rope = self.rotate(q_rope, rope), self.rotate(k_rope.view(B, T, 1, self.rope), rope)
+        return q_nope.transpose(1, 2), q_rope.transpose(1, 2), self.kv_a_layernorm(latent)[:, None], k_rope.transpose(1, 2)
+
+    def queries_and_keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head queries and keys (B, H, T, nope + rope) of x, the keys up-projected (for showing the scores)."""
+        q_nope, q_rope, latent, k_rope = self.project(x, rope)
+        B, H, T, _ = q_nope.shape
+        k_nope = self.kv_b_proj(latent[:, 0]).view(B, T, H, -1)[..., : self.nope].transpose(1, 2)
+        return torch.cat((q_nope, q_rope), dim=-1), torch.cat((k_nope, k_rope.expand(B, H, T, self.rope)), dim=-1)
 
     def rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the rope channels x (B, T, heads, rope); DeepSeek's adjacent pairs are moved into halves first."""
@@ -126,6 +139,6 @@ class MLA(nn.Module):
         attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
         if attend is not None:
             return attend(q, k, v, mask, gqa, scale=self.scale)
-        is_causal = mask is None and q.shape[2] > 1
+        is_causal = self.causal and mask is None and q.shape[2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
                                               scale=self.scale, enable_gqa=gqa)
