@@ -193,6 +193,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # seed-char-llama with QK-norm; its recipe (decoderlm.train.config.RECIPES) trains with Muon. What each
     # change is worth: benchmarks/experiments.py, improvements.
     "seed-char-plus": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, ffn_hidden=344, tie_embeddings=True, qk_norm=True, family="llama"),
+    # seed-char-llama with multi-head latent attention (DeepSeek's MLA): its cache keeps 64 + 16 numbers per token and
+    # layer where seed-char-llama's keeps 2 × 128.
+    "mla-tiny": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, ffn_hidden=344, tie_embeddings=True, kv_lora_rank=64,
+                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, family="deepseek_v3"),
     "gpt2-124m": dict(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, max_seq_len=1024, norm_eps=1e-5, **GPT2),
     "llama-tiny": dict(vocab_size=32000, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama"),
     "llama-3.1-8b": dict(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, family="llama"),

@@ -24,6 +24,7 @@ from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec
 from decoderlm.kv_cache import KVCache, StaticKVCache
 from decoderlm.loader import load
+from decoderlm.model import Transformer
 from decoderlm.model.lora import apply_lora, lora_layers
 from decoderlm.model.mla import MLA, softmax_scale
 from decoderlm.quantize import Int8Linear
@@ -31,6 +32,7 @@ from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
 from decoderlm.serve.paged_cache import BlockPool
 from decoderlm.speculative import DraftModel, PromptLookup
+from decoderlm.train import TrainConfig, train
 
 TOL = 1e-4
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=3,
@@ -306,3 +308,18 @@ def test_compiled_decode_step_over_the_latent_cache(tmp_path, monkeypatch):
     decoder = compiled.CompiledDecoder(model)
     assert [generate(model, p, params, step=decoder) for p in prompts] == [generate(model, p, params) for p in prompts]
     assert decoder.compiles == 1 and None not in decoder.runners.values()
+
+
+def test_mla_tiny_preset_trains_and_converts_to_a_deepseek_v3_folder(corpus, tmp_path):
+    """The `mla-tiny` preset: seed-char-llama's size (± 5 %), trained a few steps, saved as deepseek_v3 for transformers."""
+    mla, llama = (Transformer(ModelConfig.from_preset(name)) for name in ("mla-tiny", "seed-char-llama"))
+    assert abs(mla.num_parameters() / llama.num_parameters() - 1) <= 0.05
+    train(TrainConfig(data=str(corpus), out=str(tmp_path / "run"), preset="mla-tiny", batch_size=4, context=16, eval_interval=5,
+                      log_interval=1, eval_batches=1, sample_chars=0, max_steps=3))
+    model, tok = load(tmp_path / "run")
+    assert cli.main(["convert", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.tensor([tok.encode("To be, or not")])
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max().item() < TOL
+

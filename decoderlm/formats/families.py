@@ -309,9 +309,9 @@ def _read_deepseek(d: dict[str, Any], v3: bool) -> dict[str, Any]:
         rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,  # V2's complex-number RoPE pairs adjacent channels
         mlp_bias=False if v3 else bool(d.get("mlp_bias", False)))
     n_experts = d.get("n_routed_experts", 256 if v3 else 64) or 0
-    if not n_experts:
-        return fields
     dense = min(d.get("first_k_dense_replace", 3 if v3 else 0) or 0, d["num_hidden_layers"])
+    if not n_experts or dense == d["num_hidden_layers"]:  # no expert layer at all
+        return fields
     fields |= dict(n_experts=n_experts, n_experts_per_tok=d["num_experts_per_tok"], moe_hidden=d.get("moe_intermediate_size", 2048 if v3 else 1407),
                    n_shared_experts=d.get("n_shared_experts", 1 if v3 else 2) or 0, moe_dense_layers=list(range(dense)) or None,
                    moe_routed_scale=float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
@@ -329,10 +329,13 @@ def _read_deepseek(d: dict[str, Any], v3: bool) -> dict[str, Any]:
 def _write_deepseek(c: ModelConfig, v3: bool) -> dict[str, Any]:
     out = _write_llama_like(c) | dict(
         head_dim=c.qk_rope_head_dim, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
-        qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, n_routed_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok,
-        moe_intermediate_size=c.moe_hidden, n_shared_experts=c.n_shared_experts, routed_scaling_factor=c.moe_routed_scale,
-        first_k_dense_replace=len(c.moe_dense_layers or []) if c.n_experts else c.n_layers, n_group=c.moe_groups, topk_group=c.moe_topk_groups)
+        qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, first_k_dense_replace=c.n_layers)
     del out["sliding_window"]
+    if not c.n_experts:  # every layer dense
+        return out | (dict(rope_interleave=c.rope_interleave) if v3 else {})
+    out |= dict(n_routed_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, moe_intermediate_size=c.moe_hidden,
+                n_shared_experts=c.n_shared_experts, routed_scaling_factor=c.moe_routed_scale, first_k_dense_replace=len(c.moe_dense_layers or []),
+                n_group=c.moe_groups, topk_group=c.moe_topk_groups)
     if v3:
         return out | dict(rope_interleave=c.rope_interleave, norm_topk_prob=c.moe_renormalize)
     return out | dict(topk_method="group_limited_greedy" if c.moe_groups > 1 else "greedy")

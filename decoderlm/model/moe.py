@@ -31,13 +31,14 @@ class MoE(nn.Module):
         self.gate.router = True  # kept in full precision by decoderlm.quantize: tiny, and it decides everything
         if self.sigmoid:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(config.n_experts))
+            self.gate.keep_fp32 = True  # loaded in fp32 into a bf16 model too (decoderlm.formats.build), as transformers keeps it
         hidden = config.moe_hidden or config.ffn_hidden
         self.experts = nn.ModuleList(MLP(config, hidden) for _ in range(config.n_experts))
         self.shared_experts = MLP(config, hidden * config.n_shared_experts) if config.n_shared_experts else None
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights (N, k) and expert ids (N, k) for the tokens flat (N, D)."""
-        logits = self.gate(flat).float()  # (N, E)
+        logits = self.gate(flat.to(self.gate.weight.dtype)).float()  # (N, E)
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias.float() if self.sigmoid else scores  # what selection ranks
         if self.groups > 1:
