@@ -108,9 +108,9 @@ class MLA(nn.Module):
     def rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the rope channels x (B, T, heads, rope); DeepSeek's adjacent pairs are moved into halves first."""
         if self.interleaved:
-            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # (x0, x1, x2, x3, ...) → (x0, x2, ... ; x1, x3, ...)
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # a copy: (x0, x1, x2, x3, ...) → (x0, x2, ... ; x1, x3, ...)
         else:
-            x = x.clone()  # a view of the projection's output: rotated in place, without touching q_nope / the latent
+            x = x.clone()  # a view from split(), which autograd forbids rotating in place
         return apply_rope_(x, *rope)
 
     def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
