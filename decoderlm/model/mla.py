@@ -132,7 +132,11 @@ class MLA(nn.Module):
         w_uk, w_uv = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank).split((self.nope, self.v_dim), dim=1)  # (H, nope, r), (H, v, r)
         q = torch.cat((q_nope @ w_uk, q_rope), dim=-1)  # (B, H, T, r + rope): each head's query, in latent coordinates
         k = torch.cat((latent, k_rope), dim=-1)  # (B, 1, L, r + rope): one key head shared by all query heads
-        y = self.sdpa(q, k, latent, mask, cache, gqa=True)  # (B, H, T, r): each head's average of the latents
+        attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
+        if attend is not None:
+            y = attend(q, k, latent, mask, True, scale=self.scale, attention=latent_attention)
+        else:
+            y = latent_attention(q, k, latent, attn_mask=mask, scale=self.scale)  # (B, H, T, r): each head's average of the latents
         return y @ w_uv.transpose(1, 2)  # (B, H, T, v)
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None, gqa: bool) -> torch.Tensor:
@@ -142,3 +146,14 @@ class MLA(nn.Module):
         is_causal = self.causal and mask is None and q.shape[2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
                                               scale=self.scale, enable_gqa=gqa)
+
+
+def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, scale: float = 1.0,
+                     enable_gqa: bool = True) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v for queries q (B, H, T, D) over ONE key/value head k (B, 1, L, D), v (B, 1, L, Dv),
+    as plain matmuls (SDPA's signature): at the latent's width (DeepSeek's 576) SDPA's CPU kernels are
+    ~30× slower than this for a decode step. Scores and softmax in fp32."""
+    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, T, L)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return scores.softmax(dim=-1).to(v.dtype) @ v  # (B, H, T, Dv)

@@ -172,16 +172,17 @@ class PagedCache:
         values = pool_v.view(N, bs, *pool_v.shape[1:]).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool, scale: float | None = None,
+               attention=F.scaled_dot_product_attention) -> torch.Tensor:
         """Attention (B, H, T, Dv) one row at a time, each row's queries over its own keys rounded up to a
         multiple of 16, as `generate` computes it alone: SDPA's CPU kernel splits its work by the batch's
         shape, so a row attended in a batch would come out different in its last bits. Padding queries
-        get zeros."""
+        get zeros. `attention`: SDPA or a function of its signature (MLA's latent attention)."""
         B, T, _ = self.shape
         y = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # (B, H, T, Dv)
         for i, (n, total) in enumerate(zip(self.new_lens, self.totals)):
             L = aligned(total)
-            y[i : i + 1, :, T - n :] = F.scaled_dot_product_attention(
+            y[i : i + 1, :, T - n :] = attention(
                 q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], attn_mask=mask[i : i + 1, :, T - n :, :L], scale=scale,
                 enable_gqa=gqa)
         return y
