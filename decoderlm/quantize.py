@@ -118,7 +118,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)  # (out, in) int8
         self.register_buffer("scale", scale.to(COMPUTE))  # (out,)
         self.bias = bias
-        self.fast = kernel("_weight_int8pack_mm", qweight.device)
+        # ATen's packed kernel reads inputs 16 at a time: other widths crash it (a tiny model's 24-wide latent)
+        self.fast = kernel("_weight_int8pack_mm", qweight.device) and qweight.shape[1] % 16 == 0
 
     @classmethod
     def from_weight(cls, w: Weight, bias: nn.Parameter | None = None) -> Int8Linear:
@@ -500,8 +501,14 @@ def layer_mode(name: str, mode: str) -> str:
 
 
 def targets(model: nn.Module) -> set[str]:
-    """Names of the Linear layers quantization replaces: all but MoE routers (marked `router` by the model)."""
-    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not getattr(m, "router", False)}
+    """Names of the Linear layers quantization replaces: all but those the model keeps in float (`kept_float`)."""
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not kept_float(m)}
+
+
+def kept_float(layer: nn.Module) -> bool:
+    """MoE routers (marked `router` by the model) and layers whose weight the model reads as a matrix (marked
+    `keep_float`: MLA's kv_b_proj, folded into queries and outputs)."""
+    return getattr(layer, "router", False) or getattr(layer, "keep_float", False)
 
 
 def parse_mode(quantize: str | None) -> str | None:
@@ -531,7 +538,7 @@ def quantized_layers(model: nn.Module, name: str, w: Weight, mode: str, dtype: t
         return ({"lm_head": head} if tied else {}) | {"embed_tokens": Int8Embedding(w, dtype, head)}
     owner, _, param = name.rpartition(".")
     module = model.get_submodule(owner)
-    if param != "weight" or not isinstance(module, nn.Linear) or getattr(module, "router", False) or (tied and owner == "lm_head"):
+    if param != "weight" or not isinstance(module, nn.Linear) or kept_float(module) or (tied and owner == "lm_head"):
         return {}
     return {owner: quantized_linear(w, layer_mode(owner, mode), bias)}
 

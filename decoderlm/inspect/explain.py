@@ -69,12 +69,17 @@ def attention_weights(model: Transformer, ids: torch.Tensor, layer: int) -> torc
         handle.remove()
     x, rope, mask, _ = captured["args"]
     B, T, _ = x.shape
-    q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
-    k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
+    if hasattr(attn, "queries_and_keys"):  # multi-head latent attention: keys up-projected from the latents
+        q, k = attn.queries_and_keys(x, rope)  # (B, H, T, D) each
+        scale = attn.scale
+    else:
+        q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
+        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # (B, H, T, D)
+        scale = 1 / math.sqrt(attn.head_dim)
     if mask is None:  # the model relied on SDPA's is_causal (with causal=False: no mask at all)
         slots = torch.arange(T, device=x.device)[None]
         mask = build_mask(slots, slots, None, x.dtype) if attn.causal else torch.zeros(1, 1, T, T, dtype=x.dtype, device=x.device)
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(attn.head_dim) + mask.float()  # (B, H, T, T)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale + mask.float()  # (B, H, T, T)
     return scores.softmax(dim=-1)
 
 

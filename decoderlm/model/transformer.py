@@ -18,6 +18,7 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.attention import Attention
 from decoderlm.model.cache import Cache, causal_mask, default_positions
+from decoderlm.model.mla import MLA
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
@@ -44,9 +45,9 @@ class Block(nn.Module):
         super().__init__()
         self.post_norm = config.post_norm
         self.input_layernorm = make_norm(config)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = MLA(config, layer) if config.kv_lora_rank else Attention(config, layer)
         self.post_attention_layernorm = make_norm(config)
-        self.mlp = MoE(config) if config.n_experts else MLP(config)
+        self.mlp = MoE(config) if config.n_experts and layer not in (config.moe_dense_layers or ()) else MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
@@ -84,8 +85,7 @@ class Transformer(nn.Module):
         cfg = self.config
         if cfg.position != "rope":
             return
-        rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        inv_freq = inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq = inverse_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.norm.weight.device), persistent=False)  # the embedding may be quantized
 
     @staticmethod
