@@ -21,6 +21,7 @@ MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped")
 GATED_MLPS = ("swiglu", "geglu", "swiglu_clamped")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QK_NORM_SCOPES = ("head", "all")
+ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -68,6 +69,20 @@ class ModelConfig:
     embed_scale: float = 1.0  # multiply token embeddings (Gemma: sqrt(d_model))
     norm_offset: float = 0.0  # RMSNorm weight is (offset + w) (Gemma: 1.0)
     post_norm: bool = False  # norm the sublayer output before the residual add (OLMo-2)
+    # Multi-head latent attention (DeepSeek-V2/V3, decoderlm.model.mla): kv_lora_rank > 0 switches it on.
+    q_lora_rank: int = 0  # queries through a latent of this width (q_a_proj, q_b_proj); 0 → one q_proj
+    kv_lora_rank: int = 0  # width of the per-token latent that keys and values are up-projected from
+    qk_nope_head_dim: int = 0  # per head: query/key channels without position (from the latent)
+    qk_rope_head_dim: int = 0  # per head: query channels with RoPE; the key's are one head shared by all
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE pairs channels (2i, 2i+1) instead of (i, i + rot_dim/2) (DeepSeek)
+    # DeepSeek's MoE options (decoderlm.model.moe).
+    n_shared_experts: int = 0  # experts every token passes through, as one MLP of n · moe_hidden
+    moe_dense_layers: list[int] | None = None  # layers that keep the dense MLP (DeepSeek's first_k_dense_replace)
+    moe_router: str = "softmax"  # expert scores: "softmax" (Mixtral, DeepSeek-V2) or "sigmoid" + selection bias (V3)
+    moe_groups: int = 1  # experts in this many groups; tokens choose among the best moe_topk_groups groups
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0  # multiplies the routed experts' weights (routed_scaling_factor)
     # Experiment switch, not a family's: False lets every token attend to later ones too (the classic
     # "remove the causal mask" experiment, benchmarks/experiments.py). Such a model cannot generate.
     causal: bool = True
@@ -79,6 +94,8 @@ class ModelConfig:
                 raise DecoderLMError(f"config {f.name}={getattr(self, f.name)!r} is not a valid value; it must be {f.type}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.kv_lora_rank:  # MLA: every head has its own queries/keys of this width; n_kv_heads is not used
+            self.head_dim, self.n_kv_heads = self.qk_nope_head_dim + self.qk_rope_head_dim, self.n_heads
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise DecoderLMError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
@@ -90,7 +107,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         for name, value, allowed in (("norm", self.norm, NORMS), ("position", self.position, POSITIONS), ("mlp", self.mlp, MLPS),
-                                     ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES)):
+                                     ("qk_norm_scope", self.qk_norm_scope, QK_NORM_SCOPES), ("moe_router", self.moe_router, ROUTERS)):
             if value not in allowed:
                 raise DecoderLMError(f"config {name}={value!r} is not supported; use one of {', '.join(allowed)}")
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "max_seq_len"):
@@ -105,6 +122,15 @@ class ModelConfig:
                 raise DecoderLMError(f"config layer_types must list one of {', '.join(LAYER_TYPES)} for each of the {self.n_layers} layers")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise DecoderLMError("config layer_types has sliding_attention layers but no sliding_window; set sliding_window")
+        if self.n_experts and (self.n_experts % self.moe_groups or not 0 < self.moe_topk_groups <= self.moe_groups
+                               or self.n_experts_per_tok > self.moe_topk_groups * self.n_experts // self.moe_groups):
+            raise DecoderLMError(f"{self.n_experts} experts in {self.moe_groups} groups, {self.moe_topk_groups} of them chosen, "
+                                 f"cannot give {self.n_experts_per_tok} experts per token; fix moe_groups / moe_topk_groups")
+        if any(not 0 <= i < self.n_layers for i in self.moe_dense_layers or []):
+            raise DecoderLMError(f"moe_dense_layers {self.moe_dense_layers} must be layer numbers below {self.n_layers}")
+        if self.kv_lora_rank:
+            if self.position != "rope" or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.qk_nope_head_dim <= 0 or self.v_head_dim <= 0:
+                raise DecoderLMError("multi-head latent attention needs RoPE, an even qk_rope_head_dim > 0, qk_nope_head_dim > 0 and v_head_dim > 0")
 
     def window(self, layer: int) -> int | None:
         """How many most recent keys this layer's queries see (None: all of them)."""
@@ -116,6 +142,19 @@ class ModelConfig:
     def windows(self) -> list[int | None]:
         """The distinct windows of the layers, in layer order: one mask per forward for each."""
         return list(dict.fromkeys(self.window(i) for i in range(self.n_layers)))
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each query/key head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_cache_widths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of the two tensors a KV cache keeps per token and layer: K and V of each K/V
+        head or, with MLA, the latent (1, kv_lora_rank) and the shared RoPE key (1, qk_rope_head_dim)."""
+        if self.kv_lora_rank:
+            return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
 
     @property
     def gqa_group(self) -> int:
@@ -193,6 +232,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                          mlp="swiglu_clamped", attn_bias=True, attn_out_bias=True, mlp_bias=True, attn_sinks=True, n_experts=4,
                          n_experts_per_tok=2, moe_hidden=128, router_bias=True, sliding_window=16,
                          layer_types=["sliding_attention", "full_attention"] * 2, rope_theta=150000.0, tie_embeddings=True, family="gpt_oss"),
+    # seed-char-llama with multi-head latent attention (DeepSeek's MLA): its cache keeps 64 + 16 numbers per token and
+    # layer where seed-char-llama's keeps 2 × 128.
+    "mla-tiny": dict(vocab_size=65, n_layers=4, d_model=128, n_heads=4, max_seq_len=64, ffn_hidden=344, tie_embeddings=True, kv_lora_rank=64,
+                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, family="deepseek_v3"),
     "gpt2-124m": dict(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, max_seq_len=1024, norm_eps=1e-5, **GPT2),
     "llama-tiny": dict(vocab_size=32000, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, max_seq_len=1024, family="llama"),
     "llama-3.1-8b": dict(vocab_size=128256, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, family="llama"),

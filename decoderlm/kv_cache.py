@@ -1,8 +1,10 @@
 """The KV cache: per layer, the keys and values of the tokens later queries may still attend to.
 
 Only the K/V heads are stored (n_kv_heads, not n_heads), so GQA/MQA shrink the cache by the group
-factor. The model talks to any cache through the four methods of `Cache`: where the new tokens sit
-(`positions`), which cached keys each of them may see (`mask`), `update` from each attention layer,
+factor; a multi-head latent attention model (DeepSeek) keeps its latent and shared RoPE key in the two
+slots instead (`ModelConfig.kv_cache_widths`, `decoderlm.model.mla`). The model talks to any cache
+through the four methods of `Cache`: where the new tokens sit (`positions`), which cached keys each
+of them may see (`mask`), `update` from each attention layer,
 and `advance` once per forward. `KVCache` is the contiguous cache of one batch of equal-length rows;
 `RollingKVCache` keeps only a sliding-window model's last window of tokens (Mistral's rolling buffer);
 `HybridKVCache` gives a model mixing sliding and full layers (Gemma-2/3, gpt-oss) one of each;
@@ -27,9 +29,9 @@ class KVCache:
     a sequence decoded here and one served in a batch compute the same numbers."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (batch_size, config.n_kv_heads, aligned(max_len), config.head_dim)  # (B, Hkv, L, D)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths  # (B, Hkv, L, D) each (MLA: the latent and the RoPE key)
+        self.k = [torch.zeros((batch_size, k_heads, aligned(max_len), k_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros((batch_size, v_heads, aligned(max_len), v_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.max_len = max_len
         self.length = 0  # slots already filled, the same for every layer
 
@@ -81,9 +83,9 @@ class RollingKVCache:
                                  "HybridKVCache for mixed layer_types")
         self.window = config.sliding_window
         self.size = self.window - 1
-        shape = (batch_size, config.n_kv_heads, self.size, config.head_dim)  # (B, Hkv, W-1, D)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths  # (B, Hkv, W-1, D) each (MLA: the latent and the RoPE key)
+        self.k = [torch.zeros((batch_size, k_heads, self.size, k_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros((batch_size, v_heads, self.size, v_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.slot_pos = torch.full((batch_size, self.size), -1, dtype=torch.long, device=device)  # (B, W-1)
         self.length = 0  # tokens fed so far, padding included (token s lives in slot s mod (W-1))
         self._new_pos = self.slot_pos[:, :0]  # (B, T): this forward's positions (-1 for padding), set by `mask`
@@ -185,9 +187,9 @@ class StaticKVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, L, D)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths  # (B, Hkv, L, D) each (MLA: the latent and the RoPE key)
+        self.k = [torch.zeros((batch_size, k_heads, max_len, k_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros((batch_size, v_heads, max_len, v_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.max_len = max_len
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # the first free slot
 

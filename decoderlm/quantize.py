@@ -20,7 +20,8 @@ int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4
 4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
 layout cannot take. Weights a GGUF file already stores as Q4_0 / Q4_1 / Q8_0 blocks (`Blocks`) are
 used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes, and
-its logits leave it in fp32, the best candidates of each row computed exactly (`rescore`).
+its logits leave it in fp32, the best candidates of each row computed exactly (`rescore`) with the
+weight's own scales, kept in fp32 for it (`make_exact`).
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)  # (out, in) int8
         self.register_buffer("scale", scale.to(COMPUTE))  # (out,)
         self.bias = bias
-        self.fast = kernel("_weight_int8pack_mm", qweight.device)
+        # ATen's packed kernel reads inputs 16 at a time: other widths crash it (a tiny model's 24-wide latent)
+        self.fast = kernel("_weight_int8pack_mm", qweight.device) and qweight.shape[1] % 16 == 0
 
     @classmethod
     def from_weight(cls, w: Weight, bias: nn.Parameter | None = None) -> Int8Linear:
@@ -287,9 +289,9 @@ class Int4Linear(nn.Module):
     grows with the rows, while dequantizing once costs about half a dense matmul of 128 rows. Fewer
     tokens (decoding, the server's batched steps, short prompts) keep the kernel. The choice goes by
     tokens per sequence, never by batch size, so a request gets the same numbers alone or in a batch.
-    As the LM head (`exact`), the layer returns fp32 logits, its best candidates rescored (`rescore`)."""
+    As the LM head (`make_exact`), the layer returns fp32 logits, its best candidates rescored (`rescore`)."""
 
-    exact = False  # set on the LM head
+    exact = False  # set on the LM head by make_exact
 
     def __init__(self, q: torch.Tensor | Iterable[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
                  bias: nn.Parameter | None = None) -> None:
@@ -298,6 +300,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         sz = torch.stack((scale.to(COMPUTE), zero.to(COMPUTE)), -1).transpose(0, 1)  # (in/32, out, 2), the kernel's layout
         self.register_buffer("scales_zeros", sz.contiguous())
+        self.register_buffer("exact_scales", None)  # the LM head's scales and zeros in fp32 (make_exact)
         self.bias = bias
         self.fast = kernel("_weight_int4pack_mm_for_cpu", scale.device)
         chunks = q.split(PACK_ROWS) if isinstance(q, torch.Tensor) else q
@@ -342,6 +345,14 @@ class Int4Linear(nn.Module):
         y = y.view(*x.shape[:-1], -1).to(torch.float32 if self.exact else x.dtype)  # (..., out)
         return y if self.bias is None else y + self.bias
 
+    def make_exact(self, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Make this layer the LM head: its logits leave it in fp32, each row's best candidates recomputed
+        from the weight's own scale and zero (out, in/32), kept in fp32 (the kernel's are rounded to bf16:
+        a Q4_1 scale is fp16, 3 mantissa bits finer, and those bits moved SmolLM2's greedy choice at
+        0.6 % of positions)."""
+        self.exact = True
+        self.exact_scales = torch.stack((scale.float(), zero.float()), -1)  # (out, in/32, 2)
+
     def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
@@ -349,7 +360,8 @@ class Int4Linear(nn.Module):
         """The weight (in, out) in `dtype`: (q - 8)·scale + zero, computed in fp32 (exact) and rounded once."""
         q = packed_t(self.qweight, nibbles, layout(), dtype) if self.fast else self.qweight.t().to(dtype) - 8  # (K, N)
         K, N = q.shape
-        scale, zero = (t.contiguous()[:, None] for t in self.scales_zeros.unbind(-1))  # (K/32, 1, N)
+        sz = self.scales_zeros if self.exact_scales is None else self.exact_scales.transpose(0, 1)  # (K/32, N, 2)
+        scale, zero = (t.contiguous()[:, None] for t in sz.unbind(-1))  # (K/32, 1, N)
         return torch.addcmul(zero, q.view(K // GROUP, GROUP, N), scale, out=q.view(K // GROUP, GROUP, N)).view(K, N)
 
     def q_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -359,7 +371,8 @@ class Int4Linear(nn.Module):
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` (...) of the weight, exactly, in fp32 (..., in)."""
         q = self.q_rows(ids).float() - 8
-        scale, zero = self.scales_zeros[:, ids].float().movedim(0, -2).unbind(-1)  # (..., in/32) each
+        sz = self.exact_scales[ids] if self.exact_scales is not None else self.scales_zeros[:, ids].float().movedim(0, -2)
+        scale, zero = sz.unbind(-1)  # (..., in/32) each
         return (q.unflatten(-1, (-1, GROUP)) * scale[..., None] + zero[..., None]).flatten(-2)
 
 
@@ -377,6 +390,11 @@ class Int8GroupLinear(Int4Linear):
         chunks = (torch.cat((u >> 4, u & 15), 1) for u in (q.view(torch.uint8) ^ 128 for q in b.q.split(PACK_ROWS)))  # q + 128
         super().__init__(chunks, torch.cat((16 * d, d), 1), torch.cat((torch.zeros_like(d), 8 * d), 1), bias)
 
+    def make_exact(self, d: torch.Tensor) -> None:
+        """Make this layer the LM head (see Int4Linear.make_exact), keeping its scales d (out, in/32) in fp32."""
+        self.exact = True
+        self.exact_scales = d.float()  # (out, in/32)
+
     def kernel_input(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat((h, h), -1)
 
@@ -388,8 +406,14 @@ class Int8GroupLinear(Int4Linear):
             h, l = self.qweight.to(torch.int16).chunk(2, dim=1)
             q = (16 * h + l - 128).t().to(dtype)
         K, N = q.shape
-        d = self.scales_zeros[K // GROUP :, :, 0].contiguous()[:, None]  # (K/32, 1, N): the l half's scale
+        d = self.row_scales(torch.arange(N)).t().contiguous()[:, None]  # (K/32, 1, N)
         return torch.mul(q.view(K // GROUP, GROUP, N), d, out=q.view(K // GROUP, GROUP, N)).view(K, N)
+
+    def row_scales(self, ids: torch.Tensor) -> torch.Tensor:
+        """The scales d (..., in/32), fp32, of output rows `ids` (...): the exact ones on the LM head."""
+        if self.exact_scales is not None:
+            return self.exact_scales[ids]
+        return self.scales_zeros[self.scales_zeros.shape[0] // 2 :, ids, 0].float().movedim(0, -1)
 
     def q_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The 8-bit values q (..., in), int8, of output rows `ids` (...): 16·h + l - 128 from the h
@@ -399,7 +423,7 @@ class Int8GroupLinear(Int4Linear):
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q_rows(ids).float()  # (..., in)
-        d = self.scales_zeros[q.shape[-1] // GROUP :, ids, 0].float().movedim(0, -1)  # (..., in/32)
+        d = self.row_scales(ids)  # (..., in/32)
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2)
 
 
@@ -428,13 +452,14 @@ class Int8Embedding(nn.Module):
         shared = isinstance(head, Int8GroupLinear) and (not head.fast or layout() is not None)
         self.tied = (head,) if shared else ()  # a tuple: the head stays the model's module, not a second child
         self.register_buffer("qweight", None if shared else b.q)  # (V, D) int8
-        self.register_buffer("scales", b.d.float())  # (V, D/32)
+        exact_head = shared and head.exact_scales is not None  # the head keeps these very scales in fp32
+        self.register_buffer("scales", None if exact_head else b.d.float())  # (V, D/32)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = b.q.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = (self.tied[0].q_rows(ids) if self.tied else F.embedding(ids, self.qweight)).float()  # (..., D)
-        d = F.embedding(ids, self.scales)  # (..., D/32)
+        d = self.tied[0].row_scales(ids) if self.scales is None else F.embedding(ids, self.scales)  # (..., D/32)
         return (q.unflatten(-1, (-1, GROUP)) * d[..., None]).flatten(-2).to(self.dtype)
 
 
@@ -449,17 +474,22 @@ def quantized_linear(w: Weight, mode: str, bias: nn.Parameter | None = None) -> 
     as they are, anything else rounded to Q8_0's grid (8 bits, a scale per 32 inputs: finer than one
     per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row.
     The LM head's layer returns fp32 logits (`rescore`)."""
+    exact = mode == "q8"
     if not int4_fits(tuple(w.shape)):
         layer = Int8Linear.from_weight(w, bias)
-    elif isinstance(w, Blocks) and w.bits == 8:
-        layer = Int8GroupLinear(w, bias)
-    elif isinstance(w, Blocks) and mode in ("int4", "q8"):
+        layer.exact = exact
+        return layer
+    if isinstance(w, Blocks) and w.bits == 4 and mode in ("int4", "q8"):
         layer = Int4Linear.from_blocks(w, bias)
-    elif mode == "int4":
-        layer = Int4Linear.from_weight(w, bias)
-    else:
-        layer = Int8GroupLinear(q8_blocks(w), bias)
-    layer.exact = mode == "q8"
+        if exact:
+            layer.make_exact(w.d, w.m + 8 * w.d)
+        return layer
+    if mode == "int4" and not isinstance(w, Blocks):
+        return Int4Linear.from_weight(w, bias)
+    b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(w)
+    layer = Int8GroupLinear(b, bias)
+    if exact:
+        layer.make_exact(b.d)
     return layer
 
 
@@ -471,8 +501,14 @@ def layer_mode(name: str, mode: str) -> str:
 
 
 def targets(model: nn.Module) -> set[str]:
-    """Names of the Linear layers quantization replaces: all but MoE routers (marked `router` by the model)."""
-    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not getattr(m, "router", False)}
+    """Names of the Linear layers quantization replaces: all but those the model keeps in float (`kept_float`)."""
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not kept_float(m)}
+
+
+def kept_float(layer: nn.Module) -> bool:
+    """MoE routers (marked `router` by the model) and layers whose weight the model reads as a matrix (marked
+    `keep_float`: MLA's kv_b_proj, folded into queries and outputs)."""
+    return getattr(layer, "router", False) or getattr(layer, "keep_float", False)
 
 
 def parse_mode(quantize: str | None) -> str | None:
@@ -502,7 +538,7 @@ def quantized_layers(model: nn.Module, name: str, w: Weight, mode: str, dtype: t
         return ({"lm_head": head} if tied else {}) | {"embed_tokens": Int8Embedding(w, dtype, head)}
     owner, _, param = name.rpartition(".")
     module = model.get_submodule(owner)
-    if param != "weight" or not isinstance(module, nn.Linear) or getattr(module, "router", False) or (tied and owner == "lm_head"):
+    if param != "weight" or not isinstance(module, nn.Linear) or kept_float(module) or (tied and owner == "lm_head"):
         return {}
     return {owner: quantized_linear(w, layer_mode(owner, mode), bias)}
 
@@ -547,6 +583,6 @@ def concat(layers: list[nn.Module]) -> nn.Module | None:
     vars(fused).update({k: v for k, v in vars(first).items() if not k.startswith("_")})  # plain settings (fast, ...)
     for name, _ in first.named_parameters(recurse=False):
         setattr(fused, name, nn.Parameter(torch.cat([getattr(layer, name) for layer in layers], ROW_DIM[name]), requires_grad=False))
-    for name, _ in first.named_buffers(recurse=False):
-        fused.register_buffer(name, torch.cat([getattr(layer, name) for layer in layers], ROW_DIM[name]))
+    for name, buf in first._buffers.items():  # unset ones (None) too: the fused layer has every attribute
+        fused.register_buffer(name, None if buf is None else torch.cat([getattr(layer, name) for layer in layers], ROW_DIM[name]))
     return fused

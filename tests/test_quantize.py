@@ -188,14 +188,15 @@ def test_int8_embedding_reads_q8_rows_exactly():
 
 @pytest.mark.parametrize("vocab", [192, 80, 208])  # whole tiles of 64 (and 32), a partial tile, both
 def test_tied_embedding_reads_its_rows_from_the_head(vocab, use_kernel):
-    """Tied to a Q8 head, the embedding gives the same rows as alone and keeps no int8 copy of its own,
-    whatever tiles this CPU level packs the head's rows in."""
+    """Tied to a Q8 head, the embedding gives the same rows as alone and keeps no int8 values or scales of
+    its own, whatever tiles this CPU level packs the head's rows in."""
     torch.manual_seed(7)
     blocks = q.q8_blocks(torch.randn(vocab, 128))
-    alone, tied = q.Int8Embedding(blocks, torch.float32), q.Int8Embedding(blocks, torch.float32, q.Int8GroupLinear(blocks))
+    head = q.quantized_linear(blocks, q.layer_mode("lm_head", "int4"))
+    alone, tied = q.Int8Embedding(blocks, torch.float32), q.Int8Embedding(blocks, torch.float32, head)
     ids = torch.tensor([[0, 31, 32, 63], [64, 79, vocab - 2, vocab - 1]])
     assert torch.equal(tied(ids), alone(ids)) and torch.equal(alone(ids), blocks.dequantize()[ids])
-    assert tied.qweight is None
+    assert tied.qweight is None and tied.scales is None
 
 
 def test_int4_keeps_int8_for_shapes_it_cannot_pack():
@@ -305,24 +306,26 @@ def test_cli_generate_with_quantize(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["q8-blocks", "q4-blocks", "per-row"])
-@pytest.mark.parametrize("rows", [1, 5], ids=["decode", "batch"])
+@pytest.mark.parametrize("rows", [1, 5, q.DENSE_TOKENS], ids=["decode", "batch", "prefill"])
 def test_lm_head_logits_are_fp32_and_its_best_are_exact(kind, rows, use_kernel):
     """The LM head's logits are fp32, not the kernel's bf16: each row's best candidates equal the fp32
-    product of the fp32 input and the layer's exact weight rows; the rest stay within bf16 of it."""
+    product of the fp32 input and the file's exact weight (its fp16 scales too, which bf16 would round);
+    the rest stay within bf16 of it. A per-row int8 head has no file weight: its own rows are the reference."""
     torch.manual_seed(8)
     V, D = 208 if kind != "per-row" else 200, 96  # 200 rows do not fit the int4 layout: per-row int8
     w = torch.randn(V, D) * torch.logspace(-2, 0, D // q.GROUP).repeat_interleave(q.GROUP)
-    blocks = {"q8-blocks": q.q8_blocks(w), "q4-blocks": gguf_blocks(w, GGMLQuantizationType.Q4_1)[0], "per-row": w}[kind]
+    blocks = {"q8-blocks": gguf_blocks(w, GGMLQuantizationType.Q8_0)[0], "q4-blocks": gguf_blocks(w, GGMLQuantizationType.Q4_1)[0], "per-row": w}[kind]
     head = q.quantized_linear(blocks, q.layer_mode("lm_head", "int4"))
     assert head.exact and type(head) is {"q8-blocks": q.Int8GroupLinear, "q4-blocks": q.Int4Linear, "per-row": q.Int8Linear}[kind]
     x = torch.randn(1, rows, D) * 3  # fp32, not bf16-exact
     logits = head(x)
     assert logits.dtype == torch.float32 and logits.shape == (1, rows, V)
-    exact = x[0] @ head.weight_rows(torch.arange(V)).T  # (rows, V)
+    weight = head.weight_rows(torch.arange(V)) if kind == "per-row" else blocks.dequantize()  # (V, D)
+    exact = x[0] @ weight.T  # (rows, V)
     top = exact.topk(q.EXACT_TOP // 2).indices  # surely among the bf16 scores' best EXACT_TOP
     torch.testing.assert_close(logits[0].gather(-1, top), exact.gather(-1, top), rtol=1e-6, atol=1e-5)
     assert not torch.equal(logits[0], exact.bfloat16().float())  # not merely rounded exact values
-    assert ((logits[0] - exact).abs() <= 2**-7 * (exact.abs() + x[0].abs() @ head.weight_rows(torch.arange(V)).abs().T)).all()
+    assert ((logits[0] - exact).abs() <= 2**-7 * (exact.abs() + x[0].abs() @ weight.abs().T)).all()
 
 
 def test_weight_rows_read_every_tile_exactly(use_kernel):

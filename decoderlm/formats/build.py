@@ -14,7 +14,11 @@ from decoderlm.model import Transformer
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
     """A model whose parameters are allocated once, in `dtype` on `device`, with no values yet: built on
     the meta device, so no time goes to a random init (or a CPU copy) that the weights overwrite."""
-    model = meta_model(config).to(dtype).to_empty(device=device)
+    model = meta_model(config).to(dtype)
+    for module in model.modules():  # kept in fp32 whatever the dtype, as the checkpoint's own code does (DeepSeek-V3's router)
+        if getattr(module, "keep_fp32", False):
+            module.float()
+    model = model.to_empty(device=device)
     if config.tie_embeddings:  # to_empty gives each module its own storage
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope()  # a computed buffer: the meta build held no values

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ class Family:
     write: Callable[[ModelConfig], dict[str, Any]]  # ModelConfig → config.json fields
     table: tuple[Row, ...]
     optional_prefix: str = ""  # older checkpoints may omit it (GPT-2: "transformer.")
+    mtp_layers: bool = False  # layers numbered from n_layers on are a multi-token-prediction module (DeepSeek-V3), unused here
 
 
 def row(ckpt: str, *ours: str, transpose: bool = False, layout: str = "") -> Row:
@@ -157,6 +159,18 @@ GPT_OSS_TABLE = llama_table(qkv=(*QKV, row(f"model.{ATTN}.sinks", f"{ATTN}.sinks
     row("model.layers.{i}.mlp.experts.gate_up_proj_bias", f"{EXPERT}.gate_proj.bias", f"{EXPERT}.up_proj.bias", layout="experts_interleaved"),
     row("model.layers.{i}.mlp.experts.down_proj", f"{EXPERT}.down_proj.weight", layout="experts"),
     row("model.layers.{i}.mlp.experts.down_proj_bias", f"{EXPERT}.down_proj.bias", layout="experts"),
+))
+# DeepSeek-V2/V3: multi-head latent attention (decoderlm.model.mla), and MoE layers with shared experts
+# after the first dense ones; the router's selection bias (V3) is a checkpoint tensor too.
+MLA_ATTN = tuple(row(f"model.{ATTN}.{x}", f"{ATTN}.{x}") for x in (
+    "q_proj.weight", "q_a_proj.{p}", "q_a_layernorm.weight", "q_b_proj.weight",
+    "kv_a_proj_with_mqa.{p}", "kv_a_layernorm.weight", "kv_b_proj.weight"))
+DEEPSEEK_TABLE = llama_table(qkv=MLA_ATTN, mlp=(
+    *MLP,
+    row("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.gate.weight"),
+    row("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.gate.e_score_correction_bias"),
+    *(row(f"model.{EXPERT}.{x}_proj.weight", f"{EXPERT}.{x}_proj.weight") for x in ("gate", "up", "down")),
+    *(row(f"model.layers.{{i}}.mlp.shared_experts.{x}_proj.weight", f"layers.{{i}}.mlp.shared_experts.{x}_proj.weight") for x in ("gate", "up", "down")),
 ))
 H = "transformer.h.{i}"
 GPT2_TABLE = (
@@ -401,6 +415,49 @@ def _read_olmo2(d: dict[str, Any]) -> dict[str, Any]:
     return _read_llama_like(d, eps=1e-5) | dict(qk_norm=True, qk_norm_scope="all", post_norm=True)
 
 
+def _read_deepseek(d: dict[str, Any], v3: bool) -> dict[str, Any]:
+    """DeepSeek-V2 / V3; the defaults are transformers' for a key the file omits."""
+    if d.get("moe_layer_freq", 1) != 1:
+        raise DecoderLMError(f"this {d['model_type']} checkpoint has expert layers only every {d['moe_layer_freq']} layers (moe_layer_freq), "
+                             "which decoderlm (and transformers) do not support")
+    fields = _read_llama_like(d, eps=1e-6) | dict(
+        q_lora_rank=d.get("q_lora_rank", 1536) or 0, kv_lora_rank=d["kv_lora_rank"], qk_nope_head_dim=d["qk_nope_head_dim"],
+        qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+        rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,  # V2's complex-number RoPE pairs adjacent channels
+        mlp_bias=False if v3 else bool(d.get("mlp_bias", False)))
+    n_experts = d.get("n_routed_experts", 256 if v3 else 64) or 0
+    dense = min(d.get("first_k_dense_replace", 3 if v3 else 0) or 0, d["num_hidden_layers"])
+    if not n_experts or dense == d["num_hidden_layers"]:  # no expert layer at all
+        return fields
+    fields |= dict(n_experts=n_experts, n_experts_per_tok=d["num_experts_per_tok"], moe_hidden=d.get("moe_intermediate_size", 2048 if v3 else 1407),
+                   n_shared_experts=d.get("n_shared_experts", 1 if v3 else 2) or 0, moe_dense_layers=list(range(dense)) or None,
+                   moe_routed_scale=float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
+    if v3:  # sigmoid scores, the selection bias, groups ranked by their best two (transformers reads no topk_method / scoring_func)
+        return fields | dict(moe_router="sigmoid", moe_groups=d.get("n_group", 8) or 1, moe_topk_groups=d.get("topk_group", 4) or 1,
+                             moe_renormalize=bool(d.get("norm_topk_prob", True)))
+    method = d.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise DecoderLMError(f"deepseek_v2 topk_method {method!r} is not supported; supported: greedy, group_limited_greedy")
+    grouped = method == "group_limited_greedy"
+    # transformers' DeepSeek-V2 never renormalizes the chosen weights (norm_topk_prob is not read); nor does this.
+    return fields | dict(moe_groups=d["n_group"] if grouped else 1, moe_topk_groups=d["topk_group"] if grouped else 1, moe_renormalize=False)
+
+
+def _write_deepseek(c: ModelConfig, v3: bool) -> dict[str, Any]:
+    out = _write_llama_like(c) | dict(
+        head_dim=c.qk_rope_head_dim, q_lora_rank=c.q_lora_rank or None, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, first_k_dense_replace=c.n_layers)
+    del out["sliding_window"]
+    if not c.n_experts:  # every layer dense
+        return out | (dict(rope_interleave=c.rope_interleave) if v3 else {})
+    out |= dict(n_routed_experts=c.n_experts, num_experts_per_tok=c.n_experts_per_tok, moe_intermediate_size=c.moe_hidden,
+                n_shared_experts=c.n_shared_experts, routed_scaling_factor=c.moe_routed_scale, first_k_dense_replace=len(c.moe_dense_layers or []),
+                n_group=c.moe_groups, topk_group=c.moe_topk_groups)
+    if v3:
+        return out | dict(rope_interleave=c.rope_interleave, norm_topk_prob=c.moe_renormalize)
+    return out | dict(topk_method="group_limited_greedy" if c.moe_groups > 1 else "greedy")
+
+
 def _read_gpt2(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("scale_attn_by_inverse_layer_idx") or not d.get("scale_attn_weights", True):
         raise DecoderLMError("this gpt2 checkpoint scales attention differently (scale_attn_by_inverse_layer_idx / scale_attn_weights), "
@@ -436,6 +493,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma2ForCausalLM", _read_gemma2, _write_gemma2, GEMMA2_TABLE),
     Family("gemma3_text", "Gemma3ForCausalLM", _read_gemma3, _write_gemma3, GEMMA2_TABLE),
     Family("gpt_oss", "GptOssForCausalLM", _read_gpt_oss, _write_gpt_oss, GPT_OSS_TABLE),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", partial(_read_deepseek, v3=False), partial(_write_deepseek, v3=False), DEEPSEEK_TABLE),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", partial(_read_deepseek, v3=True), partial(_write_deepseek, v3=True), DEEPSEEK_TABLE,
+           mtp_layers=True),
 )}
 
 

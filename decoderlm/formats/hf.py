@@ -144,6 +144,8 @@ def _table_key(name: str, table: dict[str, Row], family: Family, config: ModelCo
             return key
     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_embeddings):
         return None
+    if family.mtp_layers and (layer := re.match(r"model\.layers\.(\d+)\.", name)) and int(layer.group(1)) >= config.n_layers:
+        return None
     raise DecoderLMError(f"the checkpoint has tensor {name}, which a {family.model_type} model with this config.json does not have; "
                          "config.json does not match the weights")
 

@@ -56,12 +56,12 @@ def _attention(parts: dict[str, Part], spec: ArchSpec, i: int) -> None:
     if spec.mla:
         qk_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
         if spec.q_lora_rank:
-            _linear(parts, "q_a_proj", "attention", i, spec, d, spec.q_lora_rank, False)
+            _linear(parts, "q_a_proj", "attention", i, spec, d, spec.q_lora_rank, spec.qkv_bias)
             _add(parts, "q_a/kv_a norms", "norms", i, spec.n_layers, _norm_params(spec, spec.q_lora_rank))
             _linear(parts, "q_b_proj", "attention", i, spec, spec.q_lora_rank, H * qk_dim, False)
         else:
             _linear(parts, "q_proj", "attention", i, spec, d, H * qk_dim, False)
-        _linear(parts, "kv_a_proj", "attention", i, spec, d, spec.kv_lora_rank + spec.qk_rope_head_dim, False)
+        _linear(parts, "kv_a_proj", "attention", i, spec, d, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.qkv_bias)
         _add(parts, "q_a/kv_a norms", "norms", i, spec.n_layers, _norm_params(spec, spec.kv_lora_rank))
         _linear(parts, "kv_b_proj", "attention", i, spec, spec.kv_lora_rank, H * (spec.qk_nope_head_dim + spec.v_head_dim), False)
         _linear(parts, "o_proj", "attention", i, spec, H * spec.v_head_dim, d, spec.o_bias)

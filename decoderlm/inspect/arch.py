@@ -262,7 +262,9 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
         max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
         rope_scaling=cfg.rope_scaling if cfg.position == "rope" else None, rope_local_theta=cfg.rope_local_theta,
         sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
-        moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, source=source,
+        moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, n_shared_experts=cfg.n_shared_experts if cfg.n_experts else 0,
+        dense_layers=list(cfg.moe_dense_layers or []) if cfg.n_experts else [], q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, source=source,
     )
 
 

@@ -70,11 +70,15 @@ def attention_weights(model: Transformer, ids: torch.Tensor, layer: int, sink: b
         handle.remove()
     x, rope, mask, _ = captured["args"]
     B, T, _ = x.shape
-    q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
     if mask is None:  # the model relied on SDPA's is_causal (with causal=False: no mask at all)
         slots = torch.arange(T, device=x.device)[None]
         mask = build_mask(slots, slots, None, x.dtype) if attn.causal else torch.zeros(1, 1, T, T, dtype=x.dtype, device=x.device)
-    probs = attn.probabilities(q, k, mask.float())  # (B, H, T, T [+ 1])
+    if hasattr(attn, "queries_and_keys"):  # multi-head latent attention: keys up-projected from the latents
+        q, k = attn.queries_and_keys(x, rope)  # (B, H, T, D) each
+        probs = ((q.float() @ k.float().transpose(-2, -1)) * attn.scale + mask.float()).softmax(dim=-1)  # (B, H, T, T)
+    else:
+        q, k, _ = attn.project_qkv(x, rope)  # (B, H, T, D), (B, Hkv, T, D)
+        probs = attn.probabilities(q, k, mask.float())  # (B, H, T, T [+ 1])
     return probs if sink else probs[..., :T]
 
 

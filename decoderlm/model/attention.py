@@ -83,7 +83,7 @@ class Attention(nn.Module):
         attend = getattr(cache, "attend", None)  # a cache of rows of different lengths attends row by row
         if self.softcap is not None or self.sinks is not None:
             if attend is not None:
-                y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads, kernel=self.attention_math)
+                y = attend(q, k, v, mask, self.n_kv_heads != self.n_heads, attention=self.attention_math)
             else:
                 y = self.attention_math(q, k, v, mask, is_causal)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -118,9 +118,11 @@ class Attention(nn.Module):
             scores = torch.cat((scores, self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)), dim=-1)  # (B, H, T, L + 1)
         return scores.softmax(dim=-1)
 
-    def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
-        """Attention (B, H, T, D) from `probabilities`; the sink's share is dropped: it has no value to add."""
-        probs = self.probabilities(q, k, mask, is_causal)[..., : k.shape[2]]  # (B, H, T, L)
+    def attention_math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                       scale: float | None = None, enable_gqa: bool = True) -> torch.Tensor:
+        """Attention (B, H, T, D) from `probabilities`; the sink's share is dropped: it has no value to add.
+        SDPA's signature, for the paged cache's `attend`; the layer's own scale and head grouping apply."""
+        probs = self.probabilities(q, k, attn_mask, is_causal)[..., : k.shape[2]]  # (B, H, T, L)
         if self.training and self.dropout:
             probs = F.dropout(probs, self.dropout)
         v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, L, D)

@@ -22,7 +22,8 @@ class Cache(Protocol):
         """Additive mask (B, 1, T, L) over the L keys `update` returns, or None for plain causal attention."""
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new k, v (B, Hkv, T, D); return the keys/values the new queries attend over (B, Hkv, L, D)."""
+        """Store new k, v (B, Hkv, T, D); return the keys/values the new queries attend over (B, Hkv, L, D).
+        Multi-head latent attention stores its latent and shared RoPE key (B, 1, T, ·) in these two slots."""
 
     def advance(self, n: int) -> None:
         """The forward is done: the n new tokens are now part of the cached context."""

@@ -18,6 +18,7 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.attention import Attention
 from decoderlm.model.cache import Cache, causal_mask, default_positions
+from decoderlm.model.mla import MLA
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
 from decoderlm.model.norm import make_norm
@@ -47,11 +48,11 @@ class Block(nn.Module):
         self.window = config.window(layer)  # this layer's attention kind: the mask it takes
         self.local_rope = self.window is not None and config.rope_local_theta is not None  # Gemma-3's sliding layers
         self.input_layernorm = make_norm(config)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = MLA(config, layer) if config.kv_lora_rank else Attention(config, layer)
         self.post_attention_layernorm = make_norm(config)
         self.attn_out_norm = make_norm(config) if config.sandwich_norm else None
         self.ffn_out_norm = make_norm(config) if config.sandwich_norm else None
-        self.mlp = MoE(config) if config.n_experts else MLP(config)
+        self.mlp = MoE(config) if config.n_experts and layer not in (config.moe_dense_layers or ()) else MLP(config)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
@@ -93,7 +94,7 @@ class Transformer(nn.Module):
         cfg = self.config
         if cfg.position != "rope":
             return
-        rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        rot_dim = cfg.rope_dim
         device = self.norm.weight.device  # the embedding may be quantized
         self.register_buffer("inv_freq", inverse_frequencies(rot_dim, cfg.rope_theta, cfg.rope_scaling).to(device), persistent=False)
         self.rope_factor = attention_factor(cfg.rope_scaling, cfg.max_seq_len)

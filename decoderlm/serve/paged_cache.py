@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +45,10 @@ class BlockPool:
             raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), "
                                  f"got {num_blocks} blocks of {block_size}")
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
-        shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)  # (slots, Hkv, D)
+        k_shape, v_shape = config.kv_cache_widths  # (Hkv, D) each; MLA: the latent and the RoPE key
         # Zeros, not empty: masked slots still enter softmax·V with weight 0, and 0·NaN would be NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.k = [torch.zeros((num_blocks * block_size, *k_shape), dtype=dtype, device=device) for _ in range(config.n_layers)]  # (slots, Hkv, D)
+        self.v = [torch.zeros((num_blocks * block_size, *v_shape), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.ref_counts = [0] * num_blocks
         self.hashes: list[bytes | None] = [None] * num_blocks
         self.free: deque[int] = deque(range(1, num_blocks))  # blocks with no known content
@@ -58,8 +57,9 @@ class BlockPool:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        """KV memory one token takes: K and V of every layer."""
-        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+        """KV memory one token takes: K and V of every layer (MLA: its latent and RoPE key)."""
+        (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths
+        return config.n_layers * (k_heads * k_width + v_heads * v_width) * torch.finfo(dtype).bits // 8
 
     @property
     def capacity(self) -> int:
@@ -167,24 +167,24 @@ class PagedCache:
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
         # Gather whole blocks (block_size slots in one copy), not single slots.
-        by_block = (self.pool.num_blocks, self.pool.block_size, *pool_k.shape[1:])  # (N, bs, Hkv, D)
-        keys = pool_k.view(by_block).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)
-        values = pool_v.view(by_block).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
+        N, bs = self.pool.num_blocks, self.pool.block_size
+        keys = pool_k.view(N, bs, *pool_k.shape[1:]).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
+        values = pool_v.view(N, bs, *pool_v.shape[1:]).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool, scale: float | None = None,
-               kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention (B, H, T, D) one row at a time, each row's queries over its own keys rounded up to a
+               attention=F.scaled_dot_product_attention) -> torch.Tensor:
+        """Attention (B, H, T, Dv) one row at a time, each row's queries over its own keys rounded up to a
         multiple of 16, as `generate` computes it alone: SDPA's CPU kernel splits its work by the batch's
         shape, so a row attended in a batch would come out different in its last bits. Padding queries
-        get zeros. `kernel(q, k, v, mask)` replaces SDPA where the model's attention has options it lacks (soft-capping, sinks)."""
+        get zeros. `attention`: SDPA or a function of its signature (MLA's latent attention)."""
         B, T, _ = self.shape
-        y = q.new_zeros(q.shape)
+        y = q.new_zeros((*q.shape[:-1], v.shape[-1]))  # (B, H, T, Dv)
         for i, (n, total) in enumerate(zip(self.new_lens, self.totals)):
             L = aligned(total)
-            args = (q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], mask[i : i + 1, :, T - n :, :L])
-            y[i : i + 1, :, T - n :] = kernel(*args) if kernel is not None else F.scaled_dot_product_attention(
-                *args, scale=scale, enable_gqa=gqa)
+            y[i : i + 1, :, T - n :] = attention(
+                q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], attn_mask=mask[i : i + 1, :, T - n :, :L], scale=scale,
+                enable_gqa=gqa)
         return y
 
     def advance(self, n: int) -> None:
