@@ -279,14 +279,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.7
 
 
 @pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v2"])
-def test_yarn_configs_match_transformers_once_rope_has_yarn(case, tmp_path):
+def test_yarn_configs_match_transformers(case, tmp_path):
     """DeepSeek's long-context configs: YaRN frequencies (decoderlm.model.rope) and MLA's mscale² softmax scale."""
     hf = make_model(case, tmp_path, rope_parameters=YARN)
-    try:
-        ours, _ = load(tmp_path)
-    except DecoderLMError as e:  # YaRN RoPE comes from another branch; until then loading refuses in one line
-        assert "rope_scaling type 'yarn' is not supported" in str(e)
-        pytest.skip("decoderlm.model.rope has no YaRN yet")
+    ours, _ = load(tmp_path)
     ids = prompt_ids(24)
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids).logits).abs().max().item() < TOL

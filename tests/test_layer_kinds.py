@@ -12,7 +12,6 @@ from hf_models import make_hf_model, prompt_ids
 from tokenizers import Tokenizer
 
 import decoderlm.cli as cli
-from decoderlm.generate import generate
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec
 from decoderlm.kv_cache import HybridKVCache, KVCache, StaticKVCache, cache_for
