@@ -1,0 +1,145 @@
+"""Qwen2-VL / Qwen2.5-VL against transformers on tiny random checkpoints, with two images of different
+sizes in one prompt: logits, cached decoding against recomputation, greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoderlm import load
+from decoderlm.errors import DecoderLMError
+from decoderlm.formats.hf import config_from_hf, config_to_hf
+from decoderlm.generate import generate
+from decoderlm.kv_cache import cache_for
+from decoderlm.model.mrope import ShiftedPositions, mrope_positions
+from decoderlm.model.vision import Images
+from decoderlm.sampling import SamplingParams
+from tests.hf_models import write_tokenizer
+
+IMAGE, START, END = 300, 302, 303
+TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+VL_CASES = {
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
+    # windows of 2 × 2 merged tokens: the 6 × 10 image's 3 × 5 tokens fall into six windows, some partial; block 1 sees it whole
+    "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4, window_size=56, fullatt_block_indexes=[1]),
+}
+GRID = torch.tensor([[1, 4, 4], [1, 6, 10]])  # patches (t, h, w): 4 and 15 language-model tokens
+PROMPT = [5, 6, START, *[IMAGE] * 4, END, 7, 8, 9, START, *[IMAGE] * 15, END, 10, 11]
+
+
+def hf_config(kind: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(kind, text_config=TEXT, vision_config=VL_CASES[kind], image_token_id=IMAGE, video_token_id=301,
+                                vision_start_token_id=START, vision_end_token_id=END)
+
+
+@pytest.fixture(scope="module", params=list(VL_CASES))
+def pair(request, tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    hf = AutoModelForImageTextToText.from_config(hf_config(request.param)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    write_tokenizer(folder)
+    ours, _ = load(folder)
+    pixels = torch.randn(int(GRID.prod(-1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    return hf, ours, Images(pixels, GRID), folder
+
+
+def hf_inputs(ids: list[int], images: Images) -> dict:
+    t = torch.tensor([ids])
+    return dict(input_ids=t, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw, mm_token_type_ids=(t == IMAGE).int())
+
+
+@torch.no_grad()
+def test_logits_match_transformers(pair):
+    hf, ours, images, _ = pair
+    ref = hf(**hf_inputs(PROMPT, images)).logits
+    got = ours(torch.tensor([PROMPT]), images=images).logits
+    assert (ref - got).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_text_only_matches_transformers(pair):
+    hf, ours, _, _ = pair
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    assert (hf(input_ids=ids).logits - ours(ids).logits).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_and_cached_decoding_equals_recompute(pair):
+    hf, ours, images, _ = pair
+    n = 8
+    ref = hf.generate(**hf_inputs(PROMPT, images), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(PROMPT):].tolist()
+    got = generate(ours, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=n), images=images)
+    assert got == ref
+    # Recomputed from scratch at every length, the last logits choose the same tokens.
+    ids = list(PROMPT)
+    for tok in got:
+        ids.append(int(ours(torch.tensor([ids]), images=images).logits[0, -1].argmax()))
+    assert ids[len(PROMPT):] == got
+
+
+@torch.no_grad()
+def test_cached_decode_logits_equal_recompute(pair):
+    """Decoding continues at cache position + rope_delta: each step's logits are the full recomputation's."""
+    _, ours, images, _ = pair
+    ids = list(PROMPT)
+    delta = mrope_positions(torch.tensor([ids]), images.grid_thw, IMAGE, 2)[1]
+    assert delta.item() == (11 + 2 + 5) - len(PROMPT)  # 11 text tokens, then each image's larger side in tokens
+    cache = ShiftedPositions(cache_for(ours.config, 1, len(ids) + 4), delta)
+    logits = ours(torch.tensor([ids]), cache=cache, images=images).logits[0, -1]
+    for _ in range(4):
+        full = ours(torch.tensor([ids]), images=images).logits[0, -1]
+        assert (full - logits).abs().max() < 1e-4
+        ids.append(int(logits.argmax()))
+        logits = ours(torch.tensor([ids[-1:]]), cache=cache).logits[0, -1]
+
+
+def test_config_round_trips_and_counts_both_towers(pair):
+    hf, ours, _, folder = pair
+    d = (folder / "config.json").read_text()
+    config = config_from_hf(__import__("json").loads(d))
+    assert config_from_hf(config_to_hf(config)) == config
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_transformers_5_names_load(pair, tmp_path):
+    """transformers 5 may write model.language_model.* and model.visual.*: both spellings load."""
+    from safetensors.torch import load_file, save_file
+
+    hf, ours, images, folder = pair
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else "model." + k if k.startswith("visual.") else k): v
+               for k, v in tensors.items()}
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    again, _ = load(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(again(torch.tensor([PROMPT]), images=images).logits, ours(torch.tensor([PROMPT]), images=images).logits)
+
+
+def test_placeholder_count_must_match_the_images(pair):
+    _, ours, images, _ = pair
+    with pytest.raises(DecoderLMError, match="has 16 image placeholder tokens but the images make 19"):
+        ours(torch.tensor([PROMPT[:-6]]), images=images)
+
+
+def test_text_only_model_refuses_images(tmp_path: Path):
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("qwen2-bias-tied", tmp_path)
+    model, _ = load(tmp_path)
+    with pytest.raises(DecoderLMError, match="no vision tower"):
+        model(torch.tensor([PROMPT]), images=Images(torch.zeros(16, 1176), torch.tensor([[1, 4, 4]])))
