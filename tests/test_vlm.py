@@ -143,3 +143,32 @@ def test_text_only_model_refuses_images(tmp_path: Path):
     model, _ = load(tmp_path)
     with pytest.raises(DecoderLMError, match="no vision tower"):
         model(torch.tensor([PROMPT]), images=Images(torch.zeros(16, 1176), torch.tensor([[1, 4, 4]])))
+
+
+def test_inspect_counts_both_towers_exactly(pair):
+    from decoderlm.inspect.accounting import Accounting
+    from decoderlm.inspect.arch import read_spec
+
+    hf, _, _, folder = pair
+    acc = Accounting.of(read_spec(folder))
+    assert acc.total == sum(p.numel() for p in hf.parameters())
+    assert acc.group("vision tower") == sum(p.numel() for p in hf.model.visual.parameters())
+
+
+@pytest.mark.parametrize("kind", list(VL_CASES))
+def test_inspect_counts_a_7b_shaped_config_as_transformers_does(kind):
+    import json
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from decoderlm.inspect.accounting import Accounting
+    from decoderlm.inspect.arch import spec_from_hf
+    from decoderlm.inspect.report import summary
+
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+    config = AutoConfig.for_model(kind, text_config=text, vision_config={"hidden_size" if kind == "qwen2_vl" else "out_hidden_size": 3584})
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    acc = Accounting.of(spec_from_hf(json.loads(config.to_json_string())))
+    assert acc.total == n
+    assert "448×448 px: 256 tokens, KV 14.00 MiB" in "\n".join(summary(acc, 4096, 1))
