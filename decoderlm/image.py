@@ -122,3 +122,25 @@ def open_image(source: Any) -> Any:
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise DecoderLMError(f"{name} is not an image Pillow can read ({e}); give a PNG, JPEG, WebP or GIF file") from None
     return image
+
+
+def image_placeholder(tokenizer: Any, image_token_id: int) -> str:
+    """The text one image stands as in a prompt: Qwen2-VL's <|vision_start|><|image_pad|><|vision_end|>
+    (the image token's own text, between the vision markers where the vocabulary has them)."""
+    vocab = tokenizer.get_vocab()
+    names = {i: t for t, i in vocab.items()}
+    if image_token_id not in names:
+        raise DecoderLMError(f"the tokenizer has no token {image_token_id} (the config's image_token_id); copy the checkpoint's tokenizer files")
+    pad = names[image_token_id]
+    return f"<|vision_start|>{pad}<|vision_end|>" if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab else pad
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """Each image's single placeholder token repeated as many times as the image has tokens."""
+    if ids.count(image_token_id) != len(counts):
+        raise DecoderLMError(f"the prompt has {ids.count(image_token_id)} image placeholders for {len(counts)} images; "
+                             "give one placeholder per image")
+    out, n = [], iter(counts)
+    for t in ids:
+        out.extend([t] * next(n) if t == image_token_id else [t])
+    return out

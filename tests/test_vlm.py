@@ -16,7 +16,7 @@ from decoderlm.kv_cache import cache_for
 from decoderlm.model.mrope import ShiftedPositions, mrope_positions
 from decoderlm.model.vision import Images
 from decoderlm.sampling import SamplingParams
-from tests.hf_models import write_tokenizer
+from hf_models import tokenizer_json, write_tokenizer
 
 IMAGE, START, END = 300, 302, 303
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -49,10 +49,21 @@ def pair(request, tmp_path_factory):
     hf.generation_config.eos_token_id = None
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
-    write_tokenizer(folder)
+    write_vl_tokenizer(folder)
     ours, _ = load(folder)
     pixels = torch.randn(int(GRID.prod(-1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
     return hf, ours, Images(pixels, GRID), folder
+
+
+def write_vl_tokenizer(folder: Path) -> None:
+    """The tests' byte-level BPE (300 tokens) plus Qwen2-VL's image tokens as 300..303."""
+    from tokenizers import Tokenizer
+
+    write_tokenizer(folder)
+    tok = Tokenizer.from_str(tokenizer_json())
+    tok.add_special_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    assert tok.token_to_id("<|image_pad|>") == IMAGE and tok.token_to_id("<|vision_end|>") == END
+    (folder / "tokenizer.json").write_text(tok.to_str())
 
 
 def hf_inputs(ids: list[int], images: Images) -> dict:
@@ -137,7 +148,7 @@ def test_placeholder_count_must_match_the_images(pair):
 
 
 def test_text_only_model_refuses_images(tmp_path: Path):
-    from tests.hf_models import make_hf_model
+    from hf_models import make_hf_model
 
     make_hf_model("qwen2-bias-tied", tmp_path)
     model, _ = load(tmp_path)
@@ -172,3 +183,51 @@ def test_inspect_counts_a_7b_shaped_config_as_transformers_does(kind):
     acc = Accounting.of(spec_from_hf(json.loads(config.to_json_string())))
     assert acc.total == n
     assert "448×448 px: 256 tokens, KV 14.00 MiB" in "\n".join(summary(acc, 4096, 1))
+
+
+def test_chat_with_images_gives_transformers_reply(pair, tmp_path, monkeypatch):
+    """`decoderlm chat --image a.png --image b.png --message ...` against transformers' own processor and generate."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    import decoderlm.cli as cli
+    from decoderlm.cli import chat
+
+    hf, _, _, folder = pair
+    rng = np.random.default_rng(0)
+    files = []
+    for name, (h, w) in (("a.png", (40, 60)), ("b.png", (90, 120))):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / name)
+        files.append(tmp_path / name)
+    message = "the quick fox"
+    tok = AutoTokenizer.from_pretrained(folder)
+    pixels = Qwen2VLImageProcessorPil()([Image.open(f) for f in files], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 4, 6], [1, 6, 8]]  # two sizes
+    # What Qwen2VLProcessor does (it needs torchvision for its video half): each <|image_pad|> repeated per merged patch.
+    text = tok.apply_chat_template([{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>" * 2 + message}],
+                                   add_generation_prompt=True, tokenize=False)
+    first, second, rest = text.split("<|image_pad|>")
+    text = first + "<|image_pad|>" * 6 + second + "<|image_pad|>" * 12 + rest
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    inputs = dict(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(), **pixels)
+    out = hf.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    replies = []  # the token ids chat prints (random weights decode to partial characters, which a stream holds back)
+    monkeypatch.setattr(chat, "print_stream", lambda tok, tokens, prompt: replies.append(list(tokens)))
+    argv = ["chat", "--model", str(folder), "--image", str(files[0]), "--image", str(files[1]), "--message", message,
+            "--temperature", "0", "--max-new-tokens", "6"]
+    assert cli.main(argv) == 0
+    assert replies == [out.tolist()]
+
+
+def test_chat_image_on_a_text_only_model_is_refused(tmp_path, capsys):
+    from hf_models import make_hf_model
+
+    import decoderlm.cli as cli
+
+    make_hf_model("qwen2-bias-tied", tmp_path)
+    capsys.readouterr()
+    assert cli.main(["chat", "--model", str(tmp_path), "--image", "x.png", "--message", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reads text only (it has no vision tower)" in err
