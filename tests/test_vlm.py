@@ -231,3 +231,16 @@ def test_chat_image_on_a_text_only_model_is_refused(tmp_path, capsys):
     assert cli.main(["chat", "--model", str(tmp_path), "--image", "x.png", "--message", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "reads text only (it has no vision tower)" in err
+
+
+@torch.no_grad()
+def test_saved_checkpoint_loads_in_transformers(pair, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from decoderlm.formats.hf import save_hf
+
+    hf, _, images, folder = pair
+    model, tok = load(folder, fuse=False)
+    save_hf(model, tok, tmp_path)
+    again = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert torch.equal(again(**hf_inputs(PROMPT, images)).logits, hf(**hf_inputs(PROMPT, images)).logits)

@@ -399,7 +399,8 @@ def _write_qwen_vl(c: ModelConfig) -> dict[str, Any]:
                   patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"], spatial_merge_size=v["merge_size"],
                   in_channels=v["in_channels"], rope_parameters={"rope_type": "axial", "rope_theta": v["rope_theta"]})
     if v["kind"] == "qwen2_vl":
-        vision |= dict(embed_dim=v["width"], mlp_ratio=v["ffn_hidden"] / v["width"], hidden_size=c.d_model)
+        ratio = v["ffn_hidden"] / v["width"]
+        vision |= dict(embed_dim=v["width"], mlp_ratio=int(ratio) if ratio.is_integer() else ratio, hidden_size=c.d_model)
     else:
         vision |= dict(hidden_size=v["width"], intermediate_size=v["ffn_hidden"], window_size=v["window_size"],
                        fullatt_block_indexes=v["full_attention_blocks"], out_hidden_size=c.d_model)
