@@ -244,3 +244,32 @@ def test_saved_checkpoint_loads_in_transformers(pair, tmp_path):
     save_hf(model, tok, tmp_path)
     again = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     assert torch.equal(again(**hf_inputs(PROMPT, images)).logits, hf(**hf_inputs(PROMPT, images)).logits)
+
+
+# The layout of Qwen2-VL-2B-Instruct's config.json (transformers 4.4x): text fields at the top level, rope_scaling of type
+# "mrope", the vision tower's in_chans.
+QWEN2_VL_2B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "bos_token_id": 151643, "eos_token_id": 151645,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "image_token_id": 151655, "video_token_id": 151656,
+    "hidden_act": "silu", "hidden_size": 1536, "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
+    "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+
+
+def test_flat_qwen2_vl_config_reads_as_transformers_does():
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from decoderlm.inspect.accounting import Accounting
+    from decoderlm.inspect.arch import spec_from_hf
+
+    c = config_from_hf(QWEN2_VL_2B)
+    assert (c.d_model, c.n_layers, c.rope_theta, c.rope_scaling, c.mrope_section) == (1536, 28, 1e6, None, [16, 24, 24])
+    assert c.tie_embeddings and c.norm_eps == 1e-6 and c.image_token_id == 151655 and c.vision["width"] == 1280
+    config = AutoConfig.for_model(**QWEN2_VL_2B)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
+    assert Accounting.of(spec_from_hf(QWEN2_VL_2B)).total == n
