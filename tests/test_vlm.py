@@ -273,3 +273,19 @@ def test_flat_qwen2_vl_config_reads_as_transformers_does():
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForImageTextToText.from_config(config).parameters())
     assert Accounting.of(spec_from_hf(QWEN2_VL_2B)).total == n
+
+
+def test_a_batch_of_rows_with_images_matches_transformers_and_trains(pair):
+    """Two rows of one length, each with its own image (the grids in row order): logits as transformers', and a
+    loss whose gradient reaches the vision tower (what training on image + text data needs)."""
+    hf, ours, images, _ = pair
+    rows = [[5, START, *[IMAGE] * 4, END, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [START, *[IMAGE] * 15, END, 5, 6]]
+    assert len(rows[0]) == len(rows[1])
+    t = torch.tensor(rows)
+    with torch.no_grad():
+        ref = hf(input_ids=t, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw, mm_token_type_ids=(t == IMAGE).int()).logits
+        assert (ours(t, images=images).logits - ref).abs().max() < 1e-4
+    loss = ours(t, images=images, labels=t).loss
+    loss.backward()
+    assert ours.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+    ours.zero_grad(set_to_none=True)

@@ -23,7 +23,6 @@ from torch import nn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.norm import RMSNorm
-from decoderlm.model.rope import apply_rope_
 
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -92,10 +91,17 @@ class VisionAttention(nn.Module):
         """x (N, width); attention within each run of `lengths` patches (an image, or a window)."""
         N, W = x.shape
         q, k, v = self.qkv(x).view(N, 3, self.n_heads, -1).unbind(1)  # (N, H, D) each
-        q, k = apply_rope_(q.float()[None], *rope)[0].to(x.dtype), apply_rope_(k.float()[None], *rope)[0].to(x.dtype)
+        q, k = rotate(q, *rope), rotate(k, *rope)
         out = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv))  # (H, n, D)
                for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(N, W))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (N, H, D) in fp32, as `rope.apply_rope_` but out of place (unbind's views cannot be rotated in place
+    under autograd); cos and signed sin (N, 1, D)."""
+    x32 = x.float()
+    return (x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -179,14 +185,14 @@ class VisionTower(nn.Module):
         rows, cols = patch_positions(images.grid_thw, c.merge_size)  # (N,) each
         angles = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)  # (N, head_dim/2)
         cos, sin = angles.cos(), angles.sin()
-        rope = torch.cat((cos, cos), -1)[None, :, None], torch.cat((-sin, sin), -1)[None, :, None]  # (1, N, 1, head_dim), fp32
+        rope = torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]  # (N, 1, head_dim), fp32
         frames = [int(h * w) for t, h, w in images.grid_thw.tolist() for _ in range(int(t))]
         order = None
         if c.window_size:  # Qwen2.5-VL: regroup the merge blocks window by window, so each window is one run
             order, windows = window_order(images.grid_thw, c.merge_size, c.window_size // c.merge_size // c.patch_size)
             unit = c.merge_size**2
             x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
-            rope = tuple(r.view(-1, unit, r.shape[-1])[order].view(1, -1, 1, r.shape[-1]) for r in (rope[0][0, :, 0], rope[1][0, :, 0]))
+            rope = tuple(r.view(-1, unit, r.shape[-1])[order].view(-1, 1, r.shape[-1]) for r in rope)
         for i, block in enumerate(self.blocks):
             full = not c.window_size or i in c.full_attention_blocks
             x = block(x, rope, frames if full else windows)
