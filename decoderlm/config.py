@@ -114,6 +114,8 @@ class ModelConfig:
                                  f"cannot give {self.n_experts_per_tok} experts per token; fix moe_groups / moe_topk_groups")
         if any(not 0 <= i < self.n_layers for i in self.moe_dense_layers or []):
             raise DecoderLMError(f"moe_dense_layers {self.moe_dense_layers} must be layer numbers below {self.n_layers}")
+        if self.vision and self.image_token_id is None:
+            raise DecoderLMError("a config with a vision tower needs image_token_id, the placeholder its image tokens stand at")
         if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.rope_dim):
             raise DecoderLMError(f"mrope_section {self.mrope_section} must be three counts summing to rot_dim/2 = {self.rope_dim // 2}")
         if self.kv_lora_rank:

@@ -55,7 +55,10 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a missing or unknown field
+            raise DecoderLMError(f"config vision={d!r} is not a vision tower's shape ({e}); compare it with VisionConfig's fields") from None
 
     @property
     def patch_pixels(self) -> int:
