@@ -174,7 +174,7 @@ def test_inspect_counts_a_7b_shaped_config_as_transformers_does(kind):
 
     from decoderlm.inspect.accounting import Accounting
     from decoderlm.inspect.arch import spec_from_hf
-    from decoderlm.inspect.report import summary
+    from decoderlm.inspect.report import as_dict, summary
 
     text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
     config = AutoConfig.for_model(kind, text_config=text, vision_config={"hidden_size" if kind == "qwen2_vl" else "out_hidden_size": 3584})
@@ -183,6 +183,7 @@ def test_inspect_counts_a_7b_shaped_config_as_transformers_does(kind):
     acc = Accounting.of(spec_from_hf(json.loads(config.to_json_string())))
     assert acc.total == n
     assert "448×448 px: 256 tokens, KV 14.00 MiB" in "\n".join(summary(acc, 4096, 1))
+    assert as_dict(acc, 4096, 1)["image_tokens"] == {"448x448": 256, "1280x720": 1196, "1920x1080": 1222}
 
 
 def test_chat_with_images_gives_transformers_reply(pair, tmp_path, monkeypatch):

@@ -136,4 +136,5 @@ def as_dict(acc: Accounting, context: int, batch: int) -> dict[str, Any]:
         "weight_bytes": {d: acc.weight_bytes(d) for d in BYTES},
         "kv_bytes_per_token": {d: acc.kv_elements_per_token() * b for d, b in BYTES.items()},
         "kv_bytes": {d: acc.kv_bytes(context, batch, d) for d in BYTES},
+        **({"image_tokens": {f"{w}x{h}": n for (w, h), n in image_costs(acc.spec.vision).items()}} if acc.spec.vision else {}),
     }
