@@ -83,6 +83,10 @@ class ModelConfig:
     moe_groups: int = 1  # experts in this many groups; tokens choose among the best moe_topk_groups groups
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0  # multiplies the routed experts' weights (routed_scaling_factor)
+    # Vision-language (Qwen2-VL, decoderlm.model.vision / mrope): a vision tower's fields switch it on.
+    vision: dict[str, Any] | None = None  # the tower's shape: decoderlm.model.vision.VisionConfig's fields
+    image_token_id: int | None = None  # the placeholder each image token stands at in the text
+    mrope_section: list[int] | None = None  # M-RoPE: frequencies turned by (time, height, width) positions
     # Experiment switch, not a family's: False lets every token attend to later ones too (the classic
     # "remove the causal mask" experiment, benchmarks/experiments.py). Such a model cannot generate.
     causal: bool = True
@@ -128,6 +132,10 @@ class ModelConfig:
                                  f"cannot give {self.n_experts_per_tok} experts per token; fix moe_groups / moe_topk_groups")
         if any(not 0 <= i < self.n_layers for i in self.moe_dense_layers or []):
             raise DecoderLMError(f"moe_dense_layers {self.moe_dense_layers} must be layer numbers below {self.n_layers}")
+        if self.vision and self.image_token_id is None:
+            raise DecoderLMError("a config with a vision tower needs image_token_id, the placeholder its image tokens stand at")
+        if self.mrope_section is not None and (len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.rope_dim):
+            raise DecoderLMError(f"mrope_section {self.mrope_section} must be three counts summing to rot_dim/2 = {self.rope_dim // 2}")
         if self.kv_lora_rank:
             if self.position != "rope" or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.qk_nope_head_dim <= 0 or self.v_head_dim <= 0:
                 raise DecoderLMError("multi-head latent attention needs RoPE, an even qk_rope_head_dim > 0, qk_nope_head_dim > 0 and v_head_dim > 0")

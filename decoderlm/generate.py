@@ -25,6 +25,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import KVCache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.model.cache import Cache
+from decoderlm.model.mrope import ShiftedPositions, mrope_positions
+from decoderlm.model.vision import Images
 from decoderlm.sampling import SamplingParams, finish_reason, scores, verify, warp
 
 
@@ -72,7 +74,8 @@ def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.
 
 
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, proposer: Proposer | None = None,
-           step: Step | None = None, num_speculative_tokens: int = 5, stats: SpeculativeStats | None = None) -> Iterator[int]:
+           step: Step | None = None, num_speculative_tokens: int = 5, stats: SpeculativeStats | None = None,
+           images: Images | None = None) -> Iterator[int]:
     """Yield generated token ids one at a time, until a stop token (not yielded) or max_new_tokens.
 
     The model sees a sliding window of the last `max_seq_len` tokens: every token is chosen from the
@@ -81,11 +84,18 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, pr
     plain decoding's; sampled, they follow the same distribution (see `sampling.verify`). A `step`
     serves the one-token forwards of plain decoding (a proposer's checks are multi-token, eager).
     Counts go into `stats`. Bad params or prompts raise here, at the call, not at the first token
-    (so a caller can report them before printing anything)."""
+    (so a caller can report them before printing anything). `images` stand at the prompt's image
+    placeholders (a vision-language model's); the prompt and its answer must then fit the context."""
     check_request(model, prompt_ids, params)
     if proposer is not None and num_speculative_tokens < 1:
         raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
-    return _decode(model, list(prompt_ids), params, proposer, step, num_speculative_tokens, stats or SpeculativeStats())
+    if images is not None:
+        if proposer is not None:
+            raise DecoderLMError("speculative decoding does not take images yet; run without a draft model")
+        if len(prompt_ids) + params.max_new_tokens > model.config.max_seq_len:
+            raise DecoderLMError(f"a prompt with images and its answer must fit the context ({model.config.max_seq_len} tokens); "
+                                 "lower max_new_tokens")
+    return _decode(model, list(prompt_ids), params, proposer, step, num_speculative_tokens, stats or SpeculativeStats(), images)
 
 
 def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -103,7 +113,7 @@ def check_request(model: Transformer, prompt_ids: list[int], params: SamplingPar
 
 @torch.inference_mode()
 def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer: Proposer | None, step: Step | None,
-            k: int, stats: SpeculativeStats) -> Iterator[int]:
+            k: int, stats: SpeculativeStats, images: Images | None = None) -> Iterator[int]:
     """Each round: guesses (none without a proposer), one forward over the tokens the cache lacks and the
     guesses, then the kept guesses and one token of the model's own.
 
@@ -127,7 +137,7 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
             return step.new_cache(n_slots)
         return KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
 
-    cache = step.new_cache(n_slots) if step is not None and proposer is None else None
+    cache = step.new_cache(n_slots) if step is not None and proposer is None and images is None else None
     if cache is None:
         step = None
         cache = fresh_cache()
@@ -135,6 +145,9 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
     if proposer is not None:
         proposer.start(n_slots, model.config.vocab_size)
+    if images is not None and model.config.mrope_section:  # decoding continues from the images' M-RoPE offset
+        cache = ShiftedPositions(cache, mrope_positions(torch.tensor([ids]), images.grid_thw, model.config.image_token_id,
+                                                        model.visual.config.merge_size)[1].to(device))
     emitted = 0
     while True:
         if len(ids) > max_len:
@@ -152,7 +165,8 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
             logits = step.step(torch.tensor(ids[-1:], device=device), cache)  # (1, V)
         else:  # the first forward also prefills the prompt
             feed = torch.tensor([ids[cache.length :] + guesses], device=device)
-            logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
+            seen_images = images if cache.length == 0 else None
+            logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1, images=seen_images).logits[0]  # (n+1, V)
         stats.target_forwards += 1
         seen = ids + guesses if guesses else ids  # no copy of the history on a plain step
         s = scores(logits, params, seen, len(ids), prompt_len)  # (n+1, V)
@@ -179,6 +193,6 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
 
 
 def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, proposer: Proposer | None = None,
-             step: Step | None = None, num_speculative_tokens: int = 5) -> list[int]:
+             step: Step | None = None, num_speculative_tokens: int = 5, images: Images | None = None) -> list[int]:
     """All generated ids at once (see `stream`)."""
-    return list(stream(model, prompt_ids, params, proposer, step, num_speculative_tokens))
+    return list(stream(model, prompt_ids, params, proposer, step, num_speculative_tokens, images=images))

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_source(p, default=DEFAULT_MODEL, help="HF folder, .gguf file or known name")
     p.add_argument("--system", default=None, help="system prompt (default: the template's own, if any)")
     p.add_argument("--message", default=None, help="send this one message, print the reply and exit (default: an interactive chat)")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="an image shown with --message, before its text (repeat for several); vision-language models only")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)
@@ -50,6 +52,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
     system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.image:
+        return image_reply(args, model, tok, system, params)
     if args.message is not None:
         reply(model, tok, system + [{"role": "user", "content": args.message}], params, decoding)
         return 0
@@ -82,6 +86,26 @@ def reply(model, tok, messages: list[Message], params: SamplingParams, decoding:
     text = print_stream(tok, decoding.stream(prompt, params), prompt)
     decoding.report()
     return messages + [{"role": "assistant", "content": text}]
+
+
+def image_reply(args: argparse.Namespace, model, tok, system: list[Message], params: SamplingParams) -> int:
+    """One message with images: each image's placeholder before the text, expanded to the image's tokens."""
+    from decoderlm import names
+    from decoderlm.generate import stream
+    from decoderlm.image import ImageProcessor, expand_image_tokens, image_placeholder
+
+    if args.message is None:
+        raise DecoderLMError("--image goes with --message: give the question about the image as --message")
+    if model.visual is None:
+        raise DecoderLMError(f"{model_source(args)} reads text only (it has no vision tower); --image needs a vision-language model")
+    folder = names.resolve(model_source(args))
+    processor = ImageProcessor.from_folder(folder) if folder.is_dir() else ImageProcessor()
+    images = processor(args.image)
+    content = image_placeholder(tok, model.config.image_token_id) * len(args.image) + args.message
+    ids = tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": content}], add_generation_prompt=True), add_special_tokens=False)
+    prompt = expand_image_tokens(ids, model.config.image_token_id, images.tokens(model.visual.config.merge_size))
+    print_stream(tok, stream(model, prompt, params, images=images), prompt)
+    return 0
 
 
 def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int) -> tuple[list[Message], list[int]]:

@@ -4,9 +4,9 @@ inverse writing, and a weight-name table. There is no per-family model code.
 A table row maps one checkpoint tensor to one or more of our parameters. Several parameters mean the
 checkpoint fuses them along dim 0 (Phi-3's qkv_proj, GPT-2's c_attn), split at load and concatenated
 at save; `transpose` marks GPT-2's Conv1D, which stores weights as (in, out). Names may hold `{i}`
-(layer), `{e}` (expert) and `{p}` (weight or bias); a row applies where our model has the parameters.
-A row whose checkpoint name has no `{e}` but whose parameters do holds every expert in one tensor
-(gpt-oss): `layout` says how (see `to_ours`).
+(layer), `{e}` (expert), `{v}` (vision block) and `{p}` (weight or bias); a row applies where our model has
+the parameters. A row whose checkpoint name has no `{e}` but whose parameters do holds every expert in
+one tensor (gpt-oss): `layout` says how (see `to_ours`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class Family:
     table: tuple[Row, ...]
     optional_prefix: str = ""  # older checkpoints may omit it (GPT-2: "transformer.")
     mtp_layers: bool = False  # layers numbered from n_layers on are a multi-token-prediction module (DeepSeek-V3), unused here
+    aliases: tuple[tuple[str, str], ...] = ()  # (prefix, the table's prefix) for names newer checkpoints spell differently
 
 
 def row(ckpt: str, *ours: str, transpose: bool = False, layout: str = "") -> Row:
@@ -76,13 +77,14 @@ def expand(family: Family, config: ModelConfig, params: set[str]) -> dict[str, R
     if config.tie_embeddings:
         params = params - {"lm_head.weight"}
     out: dict[str, Row] = {}
+    depth = (config.vision or {}).get("depth", 0)
     for r in family.table:
-        for i in range(config.n_layers) if "{i}" in r.ckpt else [0]:
+        for i, v in ((i, v) for i in (range(config.n_layers) if "{i}" in r.ckpt else [0]) for v in (range(depth) if "{v}" in r.ckpt else [0])):
             for e in range(config.n_experts) if "{e}" in r.ckpt else [0]:
                 for p in ("weight", "bias") if "{p}" in r.ckpt else ["weight"]:
-                    name, ours = r.ckpt.format(i=i, e=e, p=p), tuple(o.format(i=i, e=e, p=p) for o in r.ours)
+                    name, ours = r.ckpt.format(i=i, e=e, p=p, v=v), tuple(o.format(i=i, e=e, p=p, v=v) for o in r.ours)
                     if r.layout:  # one tensor for every expert
-                        ours = tuple(o.format(i=i, e=x, p=p) for x in range(config.n_experts) for o in r.ours)
+                        ours = tuple(o.format(i=i, e=x, p=p, v=v) for x in range(config.n_experts) for o in r.ours)
                     if all(o in params for o in ours):
                         out[name] = Row(name, ours, r.transpose, r.layout, config.n_experts if r.layout else 0)
     unnamed = params - {o for r in out.values() for o in r.ours}
@@ -189,6 +191,16 @@ GPT2_TABLE = (
     row("transformer.ln_f.{p}", "norm.{p}"),
     row("lm_head.weight", "lm_head.weight"),
 )
+
+# Qwen2-VL's vision tower: our names are the checkpoint's ({p}: rows whose parameter our tower lacks drop out).
+VISION_TABLE = (
+    row("visual.patch_embed.proj.weight", "visual.patch_embed.proj.weight"),
+    *(row(f"visual.blocks.{{v}}.{x}.{{p}}", f"visual.blocks.{{v}}.{x}.{{p}}") for x in (
+        "norm1", "norm2", "attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+    *(row(f"visual.merger.{x}.{{p}}", f"visual.merger.{x}.{{p}}") for x in ("ln_q", "mlp.0", "mlp.2")),
+)
+QWEN_VL_TABLE = LLAMA_TABLE + VISION_TABLE
+QWEN_VL_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))  # transformers 5's own spelling
 
 # Buffers some checkpoints carry that hold no learned values (GPT-2's causal mask, old Llama's inv_freq).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -458,6 +470,60 @@ def _write_deepseek(c: ModelConfig, v3: bool) -> dict[str, Any]:
     return out | dict(topk_method="group_limited_greedy" if c.moe_groups > 1 else "greedy")
 
 
+VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _read_qwen_vl(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-VL / Qwen2.5-VL: the text model's fields (nested in text_config, or flat in older files), M-RoPE's
+    sections, and the vision tower's shape."""
+    text = {**d, **(d.get("text_config") or {}), "model_type": d["model_type"]}
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers reads it as default RoPE, in three sections
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    text["rope_parameters"], text["rope_scaling"] = rope, None
+    fields = _read_llama_like(text, theta=1e6, eps=1e-5, window="qwen") | dict(attn_bias=True, attn_out_bias=False)
+    v = d.get("vision_config") or {}
+    act = v.get("hidden_act") or ("silu" if d["model_type"] == "qwen2_5_vl" else "quick_gelu")
+    if act not in VISION_ACTS:
+        raise DecoderLMError(f"vision_config hidden_act {act!r} is not supported; supported: {', '.join(VISION_ACTS)}")
+    shape = dict(depth=v.get("depth", 32), n_heads=v.get("num_heads", 16), act=VISION_ACTS[act], patch_size=v.get("patch_size", 14),
+                 temporal_patch_size=v.get("temporal_patch_size", 2), merge_size=v.get("spatial_merge_size", 2),
+                 in_channels=v.get("in_channels", v.get("in_chans", 3)),
+                 rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    if d["model_type"] == "qwen2_vl":
+        width = v.get("embed_dim", 1280)
+        vision = dict(kind="qwen2_vl", width=width, ffn_hidden=int(width * v.get("mlp_ratio", 4)), **shape)
+        out_width = v.get("hidden_size", 3584)
+    else:
+        vision = dict(kind="qwen2_5_vl", width=v.get("hidden_size", 3584), ffn_hidden=v.get("intermediate_size", 3420),
+                      window_size=v.get("window_size", 112), full_attention_blocks=list(v.get("fullatt_block_indexes", [7, 15, 23, 31])), **shape)
+        out_width = v.get("out_hidden_size", 3584)
+    if out_width != fields["d_model"]:
+        raise DecoderLMError(f"the vision tower's output width ({out_width}) is not the language model's ({fields['d_model']}); "
+                             "restore the checkpoint's original config.json")
+    return fields | dict(vision=vision, image_token_id=d.get("image_token_id", 151655), mrope_section=section or [16, 24, 24])
+
+
+def _write_qwen_vl(c: ModelConfig) -> dict[str, Any]:
+    text = _write_qwen(c)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": c.mrope_section}
+    if text.pop("rope_scaling"):
+        raise DecoderLMError("this model scales RoPE, which a Qwen2-VL config.json cannot express")
+    v = c.vision or {}
+    vision = dict(depth=v["depth"], num_heads=v["n_heads"], hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(v["act"], v["act"]),
+                  patch_size=v["patch_size"], temporal_patch_size=v["temporal_patch_size"], spatial_merge_size=v["merge_size"],
+                  in_channels=v["in_channels"], rope_parameters={"rope_type": "axial", "rope_theta": v["rope_theta"]})
+    if v["kind"] == "qwen2_vl":
+        ratio = v["ffn_hidden"] / v["width"]
+        vision |= dict(embed_dim=v["width"], mlp_ratio=int(ratio) if ratio.is_integer() else ratio, hidden_size=c.d_model)
+    else:
+        vision |= dict(hidden_size=v["width"], intermediate_size=v["ffn_hidden"], window_size=v["window_size"],
+                       fullatt_block_indexes=v["full_attention_blocks"], out_hidden_size=c.d_model)
+    return dict(text_config=text, vision_config=vision, image_token_id=c.image_token_id, tie_word_embeddings=c.tie_embeddings)
+
+
 def _read_gpt2(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("scale_attn_by_inverse_layer_idx") or not d.get("scale_attn_weights", True):
         raise DecoderLMError("this gpt2 checkpoint scales attention differently (scale_attn_by_inverse_layer_idx / scale_attn_weights), "
@@ -496,6 +562,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "DeepseekV2ForCausalLM", partial(_read_deepseek, v3=False), partial(_write_deepseek, v3=False), DEEPSEEK_TABLE),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", partial(_read_deepseek, v3=True), partial(_write_deepseek, v3=True), DEEPSEEK_TABLE,
            mtp_layers=True),
+    Family("qwen2_vl", "Qwen2VLForConditionalGeneration", _read_qwen_vl, _write_qwen_vl, QWEN_VL_TABLE, aliases=QWEN_VL_ALIASES),
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _read_qwen_vl, _write_qwen_vl, QWEN_VL_TABLE, aliases=QWEN_VL_ALIASES),
 )}
 
 

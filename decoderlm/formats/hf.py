@@ -139,7 +139,8 @@ def _open(file: Path) -> Iterator[Any]:
 
 def _table_key(name: str, table: dict[str, Row], family: Family, config: ModelConfig) -> str | None:
     """The table entry for a checkpoint tensor; None for tensors that carry nothing we use."""
-    for key in (name, family.optional_prefix + name):
+    aliased = [new + name[len(old):] for old, new in family.aliases if name.startswith(old)]
+    for key in (name, family.optional_prefix + name, *aliased):
         if key in table:
             return key
     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_embeddings):

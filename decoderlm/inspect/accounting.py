@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from decoderlm.inspect.arch import ArchSpec
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}  # int formats: without quantization scales
-GROUPS = ("attention", "FFN", "norms", "embedding", "lm_head", "final norm")
+GROUPS = ("attention", "FFN", "norms", "embedding", "lm_head", "final norm", "vision tower")
 
 
 @dataclass
@@ -112,7 +112,20 @@ def count(spec: ArchSpec) -> list[Part]:
     parts["final norm"] = Part("final norm", "final norm", total=final, active=final)
     head = 0 if spec.tie_embeddings else n_embed
     parts["lm_head"] = Part("lm_head", "lm_head", total=head, active=head, matmul=n_embed)
+    if spec.vision:  # runs once per image, not per token: no share of the per-token FLOPs
+        n_vision = vision_params(spec.vision, spec.d_model)
+        parts["vision tower"] = Part("vision tower", "vision tower", total=n_vision, active=n_vision)
     return list(parts.values())
+
+
+def vision_params(v: dict, d_model: int) -> int:
+    """Qwen2-VL's vision tower: patch embedding, blocks (norms, qkv, proj, MLP) and the merger to d_model."""
+    w, f, merged = v["width"], v["ffn_hidden"], v["width"] * v["merge_size"] ** 2
+    norm = w if v["kind"] == "qwen2_5_vl" else 2 * w  # RMSNorm or LayerNorm
+    mlp = 3 * w * f + 2 * f + w if v["kind"] == "qwen2_5_vl" else 2 * w * f + f + w  # gate/up/down or fc1/fc2, with biases
+    block = 2 * norm + (3 * w * w + 3 * w) + (w * w + w) + mlp
+    patches = w * v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    return patches + v["depth"] * block + norm + (merged * merged + merged) + (merged * d_model + d_model)
 
 
 @dataclass

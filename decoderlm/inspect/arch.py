@@ -76,6 +76,7 @@ class ArchSpec:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    vision: dict[str, Any] | None = None  # a vision-language model's vision tower: decoderlm.model.vision.VisionConfig's fields
     source: str = ""
 
     @property
@@ -136,6 +137,11 @@ class ArchSpec:
         extras = [name for name, on in ((qk, self.qk_norm), ("sandwich norms", self.norms_per_layer == 4), ("post-norm", self.post_norm),
                                         ("attention sinks", self.attn_sinks), ("q/k/v bias", self.qkv_bias)) if on]
         lines.append(f"norm: {self.norm}" + (f"; {', '.join(extras)}" if extras else ""))
+        if self.vision:
+            v = self.vision
+            windows = f", windows of {v['window_size']} px but blocks {v['full_attention_blocks']}" if v.get("window_size") else ""
+            lines.append(f"vision tower ({v['kind']}): {v['depth']} blocks, width {v['width']:,}, {v['patch_size']} px patches, "
+                         f"{v['merge_size']}×{v['merge_size']} merged into one token{windows}; M-RoPE over (time, height, width)")
         return lines
 
 
@@ -148,7 +154,7 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     """An HF config.json dict (any family, runnable by decoderlm or not)."""
-    if "text_config" in cfg:  # multimodal wrappers (Gemma-3 4B+): account for the language model
+    if "text_config" in cfg and cfg.get("model_type") not in FAMILIES:  # multimodal wrappers (Gemma-3 4B+): account for the language model
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
     if cfg.get("model_type") in FAMILIES:
         try:
@@ -264,7 +270,8 @@ def spec_from_model_config(cfg: ModelConfig, source: str = "") -> ArchSpec:
         sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, n_experts=cfg.n_experts, n_experts_per_tok=cfg.n_experts_per_tok if cfg.n_experts else 0,
         moe_hidden=(cfg.moe_hidden or cfg.ffn_hidden) if cfg.n_experts else 0, n_shared_experts=cfg.n_shared_experts if cfg.n_experts else 0,
         dense_layers=list(cfg.moe_dense_layers or []) if cfg.n_experts else [], q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, source=source,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, vision=cfg.vision,
+        source=source,
     )
 
 

@@ -68,7 +68,18 @@ def summary(acc: Accounting, context: int, batch: int) -> list[str]:
     lines.append("weights              " + " | ".join(f"{d} {fmt_weights(acc, d)}" for d in BYTES))
     per_token = acc.kv_elements_per_token() * BYTES["bf16"]
     lines.append(f"KV cache (bf16)      {fmt_bytes(per_token)} per token; {fmt_bytes(acc.kv_bytes(context, batch))} for {context:,} tokens × batch {batch}")
+    if s.vision:
+        lines.append("images               " + "; ".join(f"{w}×{h} px: {n:,} tokens, KV {fmt_bytes(n * per_token)}"
+                                                          for (w, h), n in image_costs(s.vision).items()))
     return lines
+
+
+def image_costs(vision: dict[str, Any], sizes: tuple[tuple[int, int], ...] = ((448, 448), (1280, 720), (1920, 1080))) -> dict[tuple[int, int], int]:
+    """Language-model tokens an image of each (width, height) becomes, under the processor's default pixel limits."""
+    from decoderlm.image import ImageProcessor
+
+    processor = ImageProcessor(patch_size=vision["patch_size"], merge_size=vision["merge_size"])
+    return {(w, h): processor.tokens(h, w) for w, h in sizes}
 
 
 def header(acc: Accounting) -> list[str]:
@@ -125,4 +136,5 @@ def as_dict(acc: Accounting, context: int, batch: int) -> dict[str, Any]:
         "weight_bytes": {d: acc.weight_bytes(d) for d in BYTES},
         "kv_bytes_per_token": {d: acc.kv_elements_per_token() * b for d, b in BYTES.items()},
         "kv_bytes": {d: acc.kv_bytes(context, batch, d) for d in BYTES},
+        **({"image_tokens": {f"{w}x{h}": n for (w, h), n in image_costs(acc.spec.vision).items()}} if acc.spec.vision else {}),
     }

@@ -21,8 +21,10 @@ from decoderlm.model.cache import Cache, causal_mask, default_positions
 from decoderlm.model.mla import MLA
 from decoderlm.model.mlp import MLP
 from decoderlm.model.moe import MoE
+from decoderlm.model.mrope import mrope_cos_sin, mrope_positions
 from decoderlm.model.norm import make_norm
 from decoderlm.model.rope import attention_factor, frequencies_at, inverse_frequencies, rope_cos_sin
+from decoderlm.model.vision import Images, VisionConfig, VisionTower
 
 IGNORE_INDEX = -100
 
@@ -79,6 +81,7 @@ class Transformer(nn.Module):
         self.windows = config.windows  # the attention kinds: one mask per forward for each
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.visual = VisionTower(VisionConfig.from_dict(config.vision), config.d_model) if config.vision else None
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.init_rope()
@@ -92,6 +95,8 @@ class Transformer(nn.Module):
         """(Re)compute RoPE's inverse frequencies in fp32. Loaders call it after building on the meta
         device (which leaves the buffer empty) or casting to bf16/fp16 (which would round it)."""
         cfg = self.config
+        if self.visual is not None:
+            self.visual.init_rope()
         if cfg.position != "rope":
             return
         rot_dim = cfg.rope_dim
@@ -125,6 +130,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
+        images: Images | None = None,
     ) -> ModelOutput:
         """input_ids (B, T) → logits (B, T, V).
 
@@ -132,22 +138,30 @@ class Transformer(nn.Module):
         counted over real tokens only, so left-padded rows start at 0). attention_mask (B, L): 1 for
         real tokens, 0 for padding, over all cache slots including these T. labels (B, T): the loss
         compares logits at t with labels at t+1 (shifted here). logits_to_keep: only the last k rows.
+        images: the vision tower's output replaces the embeddings of the image_token_id placeholders;
+        with M-RoPE, positions (3, B, T) then default to the images' grid coordinates (from position 0).
         """
         B, T = input_ids.shape
         cfg = self.config
         # A fresh unpadded sequence's last position is T - 1, known without reading a tensor (no graph break under torch.compile).
         last = T - 1 if positions is None and cache is None and attention_mask is None else None
+        if images is not None and positions is None and cfg.mrope_section:
+            positions = mrope_positions(input_ids, images.grid_thw, cfg.image_token_id, self.visual.config.merge_size)[0]
         if positions is None:
             positions = cache.positions(T, attention_mask, input_ids.device) if cache is not None else default_positions(0, T, attention_mask, input_ids.device)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if images is not None:
+            x = self.splice_images(input_ids, x, images)
         rope = local_rope = None
         if self.embed_positions is not None:
             last = int(positions.max()) if last is None else last
             if last >= cfg.max_seq_len:
                 raise DecoderLMError(f"sequence reaches position {last}, but this model has learned positions only up to {cfg.max_seq_len - 1}")
             x = x + self.embed_positions(positions)
+        elif positions.dim() == 3:  # M-RoPE's (t, h, w) positions
+            rope = mrope_cos_sin(positions, self.inv_freq, cfg.mrope_section, x.dtype)
         else:
             inv_freq = self.inv_freq
             if self.rope_by_length:
@@ -181,3 +195,14 @@ class Transformer(nn.Module):
         if labels is not None:
             loss = lm_loss(logits[:, :-1], labels[:, 1:])
         return ModelOutput(logits, loss)
+
+    def splice_images(self, input_ids: torch.Tensor, x: torch.Tensor, images: Images) -> torch.Tensor:
+        """x (B, T, D) with the image tokens' embeddings (the vision tower's, in order) at the placeholders."""
+        if self.visual is None:
+            raise DecoderLMError("this model has no vision tower; it reads text only, so give it no images")
+        at = input_ids == self.config.image_token_id  # (B, T)
+        expected = sum(images.tokens(self.visual.config.merge_size))
+        if int(at.sum()) != expected:
+            raise DecoderLMError(f"the text has {int(at.sum())} image placeholder tokens but the images make {expected} tokens; "
+                                 "put each image's placeholder in the prompt once (the chat template does)")
+        return x.masked_scatter(at[..., None], self.visual(images).to(x.dtype))
