@@ -85,6 +85,9 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, pr
     check_request(model, prompt_ids, params)
     if proposer is not None and num_speculative_tokens < 1:
         raise DecoderLMError(f"the number of speculative tokens must be at least 1, got {num_speculative_tokens}")
+    if proposer is not None and any(getattr(p, "stateful", False) for p in params.logits_processors):
+        raise DecoderLMError("speculative decoding cannot follow a grammar (its state would have to roll back rejected guesses); "
+                             "decode without a draft or n-gram proposer, or without the grammar")
     return _decode(model, list(prompt_ids), params, proposer, step, num_speculative_tokens, stats or SpeculativeStats())
 
 
