@@ -3,6 +3,7 @@ sample is valid, the tool grammars write what the tool parsers read, the state r
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -87,3 +88,25 @@ def test_unenforceable_keywords_and_speculative_decoding_are_refused(tiny):
     params = SamplingParams(max_new_tokens=4, logits_processors=[grammars.processor(json_schema_grammar(SCHEMA))])
     with pytest.raises(DecoderLMError, match="speculative decoding cannot follow a grammar"):
         generate(model, [1, 2, 3], params, proposer=PromptLookup())
+
+
+def test_library_chat_returns_parsed_calls(tiny):
+    """`decoderlm.tools.chat.chat`: a forced call comes back parsed, and its message renders back into
+    the conversation (a short hermes template: the generic prompt would not fit the tiny context)."""
+    from decoderlm.tools.chat import chat
+
+    model, tok, _ = tiny
+    tok = copy.copy(tok)
+    tok.chat_template = ("{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}{% for m in messages %}"
+                         "<|{{ m.role }}|>{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+                         "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "add two and three"}]
+    reply = chat(model, tok, messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False,
+                 params=SamplingParams(temperature=1.0, seed=0, max_new_tokens=80))
+    assert reply.finish_reason == "tool_calls" and [c.name for c in reply.tool_calls] == ["add"]
+    jsonschema.validate(json.loads(reply.tool_calls[0].arguments), TOOLS[0]["function"]["parameters"])
+    history = messages + [reply.message(), {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "5"}]
+    rendered = tok.apply_chat_template(history, tools=TOOLS)
+    assert f'<tool_call>{{"name": "add", "arguments": {reply.tool_calls[0].arguments}}}</tool_call>' in rendered and "<|tool|>5" in rendered
+    plain = chat(model, tok, messages, tools=TOOLS, tool_choice="none", params=SamplingParams(temperature=0.0, max_new_tokens=5))
+    assert plain.tool_calls == [] and plain.finish_reason == "length"
