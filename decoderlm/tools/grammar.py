@@ -51,6 +51,8 @@ def call_schema(tool: dict, argument_key: str = "arguments") -> dict:
     """One tool's call as a JSON object: its name, then arguments valid under its parameters."""
     fn = tool.get("function", tool)
     params = fn.get("parameters") or {"type": "object"}
+    if fn.get("strict") and params.get("type") == "object":  # OpenAI's strict mode: no properties beyond the schema's
+        params = {"additionalProperties": False} | params
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, argument_key: params},
             "required": ["name", argument_key], "additionalProperties": False}
 
