@@ -139,3 +139,14 @@ def test_unenforceable_requests_are_400s_naming_the_problem(smol, kwargs, param,
     with pytest.raises(openai.BadRequestError) as e:
         ask(smol[0], **kwargs)
     assert e.value.param == param and needle in e.value.body["message"] and "\n" not in e.value.body["message"]
+
+
+def test_the_clients_own_call_message_goes_back_with_the_result(smol):
+    """An agent loop as written with the openai client: the assistant message object it received is
+    appended as is, then the tool's result; the server accepts both and answers in words."""
+    client = smol[0]
+    first = ask(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call = first.message.tool_calls[0]
+    messages = ASK + [first.message, {"role": "tool", "tool_call_id": call.id, "content": "21 °C, sunny"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=16, temperature=0).choices[0]
+    assert r.message.content and r.finish_reason in ("stop", "length")
