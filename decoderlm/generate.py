@@ -95,6 +95,9 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, pr
         if len(prompt_ids) + params.max_new_tokens > model.config.max_seq_len:
             raise DecoderLMError(f"a prompt with images and its answer must fit the context ({model.config.max_seq_len} tokens); "
                                  "lower max_new_tokens")
+    if proposer is not None and any(getattr(p, "stateful", False) for p in params.logits_processors):
+        raise DecoderLMError("speculative decoding cannot follow a grammar (its state would have to roll back rejected guesses); "
+                             "decode without a draft or n-gram proposer, or without the grammar")
     return _decode(model, list(prompt_ids), params, proposer, step, num_speculative_tokens, stats or SpeculativeStats(), images)
 
 

@@ -22,6 +22,9 @@ from decoderlm.errors import DecoderLMError
 
 
 class LogitsProcessor(Protocol):
+    """A processor with `stateful = True` (a grammar's parse state, `decoderlm.tools.grammar`) follows
+    one sequence: one per request, and speculative decoding refuses it."""
+
     def __call__(self, ids: Sequence[int], scores: torch.Tensor) -> torch.Tensor:
         """The fp32 scores (V,) of the token after `ids` (the prompt and the tokens generated so far),
         after the penalties: return them changed (e.g. -inf where a grammar forbids a token)."""

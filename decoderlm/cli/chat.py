@@ -8,7 +8,9 @@ conversation outgrows the context, the oldest turns are dropped; the system prom
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from decoderlm.cli.common import (
     SAMPLING_EPILOG,
@@ -38,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--message", default=None, help="send this one message, print the reply and exit (default: an interactive chat)")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
                    help="an image shown with --message, before its text (repeat for several); vision-language models only")
+    p.add_argument("--tools", default=None, metavar="TOOLS_JSON",
+                   help="a JSON file with OpenAI tool definitions; the model's calls are shown and their results asked for")
+    p.add_argument("--tool-choice", default="auto",
+                   help="auto, required (a call is forced by a grammar), none, or a tool's name (that call is forced)")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)
@@ -52,8 +58,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
     system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.image and args.tools is not None:
+        raise DecoderLMError("--image and --tools cannot be combined yet; give one of them")
     if args.image:
         return image_reply(args, model, tok, system, params)
+    if args.tools is not None:
+        return chat_with_tools(args, model, tok, system, params)
     if args.message is not None:
         reply(model, tok, system + [{"role": "user", "content": args.message}], params, decoding)
         return 0
@@ -123,3 +133,42 @@ def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int)
     if len(prompt) >= max_len:
         raise DecoderLMError(f"the message is {len(prompt)} tokens, but the model's context is {max_len}; send a shorter message")
     return messages, prompt
+
+
+def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message], params: SamplingParams) -> int:
+    """A conversation with tools: each reply's calls are printed as `name(arguments)`; interactively,
+    each call's result is read from stdin and the model answers again."""
+    from decoderlm.tools.chat import chat
+
+    try:
+        tools = json.loads(Path(args.tools).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DecoderLMError(f"--tools {args.tools}: cannot read it as JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "name" in t.get("function", {}) for t in tools):
+        raise DecoderLMError(f"{args.tools}: expected a JSON list of tools like "
+                             '[{"type": "function", "function": {"name": ..., "parameters": {...}}}]')
+    names = [t["function"]["name"] for t in tools]
+    choice = args.tool_choice if args.tool_choice in ("auto", "required", "none") else {"type": "function", "function": {"name": args.tool_choice}}
+    if isinstance(choice, dict) and args.tool_choice not in names:
+        raise DecoderLMError(f"--tool-choice {args.tool_choice!r} is not among the tools ({', '.join(names)})")
+    history: list[Message] = list(system)
+    lines = [args.message] if args.message is not None else iter(sys.stdin.readline, "")
+    for line in lines:
+        if not line.strip() or line.strip() == "/exit":
+            break
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        turn_choice = choice
+        while True:
+            answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
+            history.append(answer.message())
+            if answer.content:
+                print(answer.content, flush=True)
+            for call in answer.tool_calls:
+                print(f"tool call: {call.name}({call.arguments})", flush=True)
+            if not answer.tool_calls or args.message is not None:
+                break
+            for call in answer.tool_calls:
+                print(f"result of {call.name}> ", end="", flush=True)
+                history.append({"role": "tool", "tool_call_id": call.id, "content": sys.stdin.readline().rstrip("\n")})
+            turn_choice = "auto"  # after the results, the model may answer in words
+    return 0

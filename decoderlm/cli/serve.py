@@ -17,6 +17,7 @@ from typing import TypeVar
 from decoderlm.cli.common import add_model_flags, add_model_source, load_model, model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
+from decoderlm.tools.parsers import FORMATS
 
 T = TypeVar("T")
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -31,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together in one step")
     p.add_argument("--kv-cache-memory", default=None, help="KV-cache pool size, e.g. 512MiB, 1GiB, 2GB (default: the engine's)")
+    p.add_argument("--tool-parser", choices=sorted(FORMATS), default=None,
+                   help="the format tool calls are read in (default: the one the chat template teaches; generic without a tool section)")
     add_model_flags(p, quantize="auto")
     p.set_defaults(func=cmd_serve)
 
@@ -84,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine, tokenizer = in_passing_thread(build)
         model = engine.model
         app = create_app(engine, tokenizer, model_source(args), args.api_key, max_seq_len=model.config.max_seq_len,
-                         sampling_defaults=model.generation_defaults)
+                         sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser)
         host, port = sock.getsockname()[:2]
         print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()

@@ -9,6 +9,7 @@ import uuid
 
 from decoderlm.serve.requests import Choice
 from decoderlm.serve.text import Delta
+from decoderlm.tools.parsers import CallDelta, ToolParser, get_parser
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
@@ -64,28 +65,62 @@ class CompletionFormat:
 
 class ChatFormat:
     """/v1/chat/completions: `chat.completion` bodies, `chat.completion.chunk` chunks whose first delta
-    per choice names the role, logprobs as a list of entries with their top alternatives."""
+    per choice names the role, logprobs as a list of entries with their top alternatives.
 
-    def __init__(self, tokenizer, model_name: str, logprobs: bool) -> None:
+    With `tool_parser` set, each choice's text goes through its own incremental tool parser
+    (`decoderlm.tools.parsers`): the chunks carry what it releases (content, then `tool_calls` deltas:
+    id and name first, arguments in pieces), the body what it gives for the whole text, so the two
+    agree. `max_calls` 1 (parallel_tool_calls false) keeps the first call only. A choice that made a
+    call and stopped finishes with "tool_calls"."""
+
+    def __init__(self, tokenizer, model_name: str, logprobs: bool, tool_parser: str | None = None, max_calls: int | None = None) -> None:
         self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.tool_parser, self.max_calls = tool_parser, max_calls
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model_name}
         self.chunk_head = self.head | {"object": "chat.completion.chunk"}
         self.started: set[int] = set()  # choices whose first chunk went out
+        self.parsers: dict[int, ToolParser] = {}
 
     def chunk(self, c: Choice, d: Delta) -> dict | None:
         delta = {} if c.index in self.started else {"role": "assistant", "content": ""}
         self.started.add(c.index)
-        if d.text:
-            delta["content"] = d.text
-        if not delta and d.finish_reason is None and not (self.logprobs and d.token_id is not None):
+        finish = d.finish_reason
+        if self.tool_parser is None:
+            if d.text:
+                delta["content"] = d.text
+        else:
+            parser = self.parsers.setdefault(c.index, get_parser(self.tool_parser))
+            parsed = parser.push(d.text)
+            if finish is not None:
+                end = parser.finish()
+                parsed.content += end.content
+                parsed.calls += end.calls
+                finish = self._finish_reason(finish, parser.calls)
+            if parsed.content:
+                delta["content"] = parsed.content
+            calls = [call_delta(cd) for cd in parsed.calls if self.max_calls is None or cd.index < self.max_calls]
+            if calls:
+                delta["tool_calls"] = calls
+        if not delta and finish is None and not (self.logprobs and d.token_id is not None):
             return None
         lp = self._logprobs([d] if d.token_id is not None else []) if self.logprobs else None
-        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     def choice(self, c: Choice) -> dict:
         lp = self._logprobs(c.tokens) if self.logprobs else None
-        return {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
+        message, finish = {"role": "assistant", "content": "".join(c.text)}, c.finish_reason
+        if self.tool_parser is not None:
+            content, calls = get_parser(self.tool_parser).parse("".join(c.text))
+            calls = calls[: self.max_calls]
+            message["content"] = content or None if calls else content
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            finish = self._finish_reason(finish, calls)
+        return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
+
+    @staticmethod
+    def _finish_reason(reason: str | None, calls: list) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
 
     def _logprobs(self, deltas: list[Delta]) -> dict:
         def entry(token_id: int, logprob: float | None) -> dict:
@@ -94,6 +129,13 @@ class ChatFormat:
 
         return {"content": [entry(d.token_id, d.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in (d.top_logprobs or [])]}
                             for d in deltas], "refusal": None}
+
+
+def call_delta(d: CallDelta) -> dict:
+    """A streamed tool_calls entry: the first names the call, the rest add to its arguments."""
+    if d.name is not None:
+        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
 ResponseFormat = CompletionFormat | ChatFormat

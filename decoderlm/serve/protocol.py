@@ -1,16 +1,17 @@
 """OpenAI request bodies as pydantic models, and the one-line error a bad body gets.
 
 Types are strict (no "0.5" → 0.5 coercion) and ranges follow OpenAI's documentation. A field OpenAI
-has but this server cannot honour (tools, logit_bias, echo, best_of > n, image parts, ...) is refused
+has but this server cannot honour (logit_bias, echo, best_of > n, image parts, ...) is refused
 with a 400 rather than silently ignored; so is a field OpenAI does not have, as OpenAI itself answers,
 so that a misspelled parameter never passes unnoticed.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+import json
+from typing import ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decoderlm.errors import DecoderLMError
 
@@ -18,7 +19,7 @@ MAX_N = 16  # choices per request: each is one engine sequence
 MAX_LOGPROBS = 20
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 MAX_SEED = 2**63 - 1
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(DecoderLMError):
@@ -135,27 +136,41 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """A call an earlier assistant turn made, sent back with the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
-    tool_calls: list | None = None  # before content: an assistant message that calls tools may have none
+    tool_calls: list[ToolCallIn] | None = None  # before content: an assistant message that calls tools may have none
     function_call: dict | None = None
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
     refusal: str | None = None  # sent back with an assistant message the client received; not read
     annotations: list | None = None  # likewise
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
-        if role in ("tool", "function"):
-            raise ValueError(f"{role} messages are not supported yet: this server does not call tools; leave them out")
+        if role == "function":
+            raise ValueError("function messages are OpenAI's deprecated form; send role 'tool' with tool_call_id")
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
         return role
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: str | list[ContentPart]) -> str | list[ContentPart]:
+    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
         for part in content if isinstance(content, list) else []:
             if part.type in ("image_url", "image"):
                 raise ValueError("image content parts need a vision model; this model reads text only, so send text parts")
@@ -165,17 +180,83 @@ class ChatMessage(_Strict):
                 raise ValueError("a text content part has exactly the fields 'type' and 'text'")
         return content
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tools(cls, value: list | dict | None, info: ValidationInfo) -> list | dict | None:
+    def _no_function_call(cls, value: dict | None) -> dict | None:
         if value:
-            raise ValueError(f"{info.field_name} is not supported yet: this server does not call tools; leave it out")
+            raise ValueError("function_call is OpenAI's deprecated form; send tool_calls")
         return value
 
+    @model_validator(mode="after")
+    def _check_turn(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
+        return self
+
     def for_template(self) -> dict:
-        """The dict a chat template expects; OpenAI's "developer" role is the templates' "system"."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The dict a chat template expects, as transformers passes it: OpenAI's "developer" role is
+        the templates' "system"; a call's arguments are an object (the JSON text parsed)."""
+        content = self.content
+        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+            if self.name:
+                out["name"] = self.name
+        return out
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required exactly when type is 'json_schema'")
+        return self
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -185,22 +266,41 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server; leave it out")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calling is not supported by this server; leave it out")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two tools share a name; give each function its own name")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools; send tools, or leave tool_choice out")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {self.tool_choice.function.name!r}, which is not among the tools ({', '.join(names)})")
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model is shown the tools and its answer is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call must be made to (tool_choice required or named), else None."""
+        if not self.calls_tools or self.tool_choice in (None, "auto"):
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.calls_tools else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -235,7 +335,8 @@ def describe(error: dict) -> tuple[str, str | None]:
         return f"unrecognized request argument {param!r}; check its spelling, or leave it out", param
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "value_error":
-        if param is None and ": " in message:  # a request-wide check: its message starts with the field's name
-            return message, message.split(": ", 1)[0]
+        field = message.split(": ", 1)[0] if ": " in message else ""
+        if field.isidentifier() and (not loc or loc[-1] != field):  # a model's check: its message starts with the field's name
+            return message, f"{param}.{field}" if param else field
         return message, param  # a field's own check: its message names the field in the user's words
     return (f"{param}: {message}", param) if param else (f"the body: {message}; send a JSON object", None)

@@ -21,6 +21,8 @@ from decoderlm.serve.metrics import Metrics
 from decoderlm.serve.protocol import ChatCompletionRequest, GenerationRequest, RequestError
 from decoderlm.serve.text import Delta, Timing, text_deltas
 from decoderlm.tokenizer import Tokenizer
+from decoderlm.tools.grammar import GrammarError, Grammars, json_schema_grammar, tool_call_grammar
+from decoderlm.tools.parsers import parser_name_for
 
 
 @dataclass
@@ -43,11 +45,14 @@ class ServedModel:
     """The model behind the routes: its engine, tokenizer, name, context length, the checkpoint's
     sampling defaults and the server's metrics."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics,
+                 tool_parser: str | None = None) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.max_seq_len, self.defaults, self.metrics = max_seq_len, defaults, metrics
         self.stop_token_ids = list(tokenizer.eos_token_ids)
         self.created = int(time.time())
+        self.tool_parser = tool_parser or parser_name_for(tokenizer.chat_template)
+        self.grammars = Grammars(tokenizer)
 
     def check_model(self, name: str) -> None:
         if name != self.name:
@@ -59,14 +64,43 @@ class ServedModel:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
-        text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], add_generation_prompt=True)
+        messages = [m.for_template() for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.template_tools())
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
+
+    def grammar(self, req: GenerationRequest) -> str | None:
+        """The grammar a chat request's answer must follow: its forced tool calls, or its response_format."""
+        if not isinstance(req, ChatCompletionRequest):
+            return None
+        forced, fmt = req.forced_tools, req.response_format
+        param = "tools" if forced else "response_format"
+        try:
+            if forced:
+                return tool_call_grammar(forced, self.tool_parser, req.parallel_tool_calls)
+            if fmt is not None and fmt.type == "json_object":
+                return json_schema_grammar(None)
+            if fmt is not None and fmt.type == "json_schema":
+                return json_schema_grammar(fmt.json_schema.schema_ or {})
+        except GrammarError as e:
+            raise RequestError(f"{param}: {e}", param) from None
+        return None
+
+    def processors(self, req: GenerationRequest, grammar: str | None) -> list:
+        """A fresh grammar state for one choice (the compiled grammar is shared through the cache)."""
+        if grammar is None:
+            return []
+        try:
+            return [self.grammars.processor(grammar)]
+        except GrammarError as e:
+            param = "tools" if isinstance(req, ChatCompletionRequest) and req.forced_tools else "response_format"
+            raise RequestError(f"{param}: {e}", param) from None
 
     def submit(self, req: GenerationRequest, prompts: list[list[int]], arrival: float) -> ChoiceStreams:
         """Start req.n choices per prompt; seeded requests give choice i the seed seed + i."""
         values = self.defaults | req.sampling_values()
         stop_ids = [] if req.ignore_eos else self.stop_token_ids
         max_tokens = req.max_new_tokens
+        grammar = self.grammar(req)
         choices = []
         for p, ids in enumerate(prompts):
             room = max(self.max_seq_len - len(ids), 0)  # 0: the prompt fills the context, which the engine refuses
@@ -75,8 +109,10 @@ class ServedModel:
                                    f"model's context of {self.max_seq_len}; lower max_tokens", "max_tokens", code="context_length_exceeded")
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
+                processors = self.processors(req, grammar)
                 try:
-                    params = SamplingParams(max_new_tokens=max_tokens or room, seed=seed, stop_token_ids=stop_ids, **values)
+                    params = SamplingParams(max_new_tokens=max_tokens or room, seed=seed, stop_token_ids=stop_ids,
+                                            logits_processors=processors, **values)
                 except DecoderLMError as e:  # a checkpoint default the request did not override
                     raise RequestError(str(e)) from None
                 choices.append(Choice(p * req.n + i, p, ids, params, Timing(arrival)))

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, processors
 from decoderlm.errors import DecoderLMError
 from decoderlm.jsonio import read_json
 from decoderlm.tokenizer.chat import Message, render_chat
+from decoderlm.tools.prompt import template_messages
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -110,10 +111,14 @@ class HFTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools` and tool turns as transformers passes them (a template without a
+        tool section gets them through `decoderlm.tools.prompt`'s generic system turn)."""
         if self.chat_template is None:
             raise DecoderLMError("this tokenizer has no chat template; use `decoderlm generate --prompt` for plain text, or a chat (instruct) model")
-        return render_chat(self.chat_template, messages, add_generation_prompt, **{k: v for k, v in self.special_tokens.items() if v is not None})
+        messages, tools = template_messages(self.chat_template, messages, tools)
+        specials = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return render_chat(self.chat_template, messages, add_generation_prompt, tools=tools, **specials)
 
 
 def _content(token: Any) -> str | None:

@@ -39,7 +39,7 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         raise DecoderLMError("a character-level model has no chat template; use `decoderlm generate --prompt` for plain text")
 
     def get_vocab(self) -> dict[str, int]:

@@ -1,0 +1,61 @@
+"""One assistant turn with tools, in the library: render, decode (under a grammar when a call is
+forced), parse the calls — the server's path without HTTP.
+
+    reply = chat(model, tok, [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice="required")
+    reply.tool_calls[0].name, json.loads(reply.tool_calls[0].arguments)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.generate import generate
+from decoderlm.sampling import SamplingParams
+from decoderlm.tools.grammar import Grammars, json_schema_grammar, tool_call_grammar
+from decoderlm.tools.parsers import ToolCall, get_parser, parser_name_for
+
+
+@dataclass
+class Reply:
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"  # "stop", "length" or "tool_calls"
+
+    def message(self) -> dict:
+        """The assistant message to append to the conversation (a template reads its calls' arguments as objects)."""
+        out: dict = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def chat(model, tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_choice: str | dict = "auto",
+         parallel_tool_calls: bool = True, params: SamplingParams | None = None, parser: str | None = None,
+         json_schema: dict | None = None) -> Reply:
+    """The model's next turn. tool_choice: "none", "auto", "required" or {"function": {"name": ...}} (the
+    last two enforced by a grammar); json_schema: the answer must be JSON valid under it."""
+    params = params or SamplingParams(temperature=0.0, max_new_tokens=256)
+    parser = parser or parser_name_for(tokenizer.chat_template)
+    tools = tools if tool_choice != "none" else None
+    forced = None
+    if tools and tool_choice != "auto":
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        forced = [t for t in tools if name is None or t["function"]["name"] == name]
+        if not forced:
+            raise DecoderLMError(f"tool_choice names {name!r}, which is not among the tools")
+    grammar = (tool_call_grammar(forced, parser, parallel_tool_calls) if forced
+               else json_schema_grammar(json_schema) if json_schema is not None else None)
+    processors = list(params.logits_processors) + ([Grammars(tokenizer).processor(grammar)] if grammar else [])
+    params = replace(params, stop_token_ids=params.stop_token_ids or list(tokenizer.eos_token_ids), logits_processors=processors)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    out = generate(model, tokenizer.encode(text, add_special_tokens=False), params)
+    answer = tokenizer.decode(out)
+    finish = "length" if len(out) >= params.max_new_tokens else "stop"
+    if not tools:
+        return Reply(answer, [], finish)
+    content, calls = get_parser(parser).parse(answer)
+    calls = calls if parallel_tool_calls else calls[:1]
+    return Reply(content, calls, "tool_calls" if calls and finish == "stop" else finish)
