@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.formats import gguf_archs
+from decoderlm.formats import gguf_archs, gguf_quants
 from decoderlm.formats.build import TensorByTensor
 from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
@@ -43,11 +43,13 @@ from decoderlm.quantize import Blocks, kernels_vectorized
 from decoderlm.tokenizer.bpe import HFTokenizer
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, *gguf_quants.BLOCKS)
 # --quantize auto: the quantized mode that keeps a file's layer weights as the file has them. Q4_0 /
-# Q4_1 / Q8_0 blocks are computed with as they are (exact); K-quant blocks do not fit the int4 layout
-# and go onto Q8_0's finer grid (int8) rather than back to float; float files stay float.
-NATIVE_MODES = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8", Q.Q4_K: "int8", Q.Q5_K: "int8", Q.Q6_K: "int8"}
+# Q4_1 / Q8_0 blocks are computed with as they are (exact); K-quant blocks, and the 5-bit, 2/3-bit,
+# non-uniform 4-bit (IQ4) and MXFP4 ones (gguf_quants), do not fit the int4 layout and go onto Q8_0's
+# finer grid (int8) rather than back to float; float files stay float.
+NATIVE_MODES = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8", Q.Q4_K: "int8", Q.Q5_K: "int8", Q.Q6_K: "int8",
+                **dict.fromkeys(gguf_quants.BLOCKS, "int8")}
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *gguf_archs.FAMILIES)
 PROGRESS_BYTES = 300 * 2**20  # files above this show a progress bar (on a terminal) while they load
 
@@ -271,6 +273,9 @@ def rope_freqs_scaling(factors: torch.Tensor, rot_dim: int, theta: float) -> dic
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     """fp32 torch tensor in PyTorch's (out, in) order, read through the memory map (small tensors)."""
     check_type(t)
+    if t.tensor_type in gguf_quants.BLOCKS:
+        raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1).copy())
+        return gguf_quants.dequantize_blocks(raw, t.tensor_type).reshape(torch_shape(t))
     values = dequantize(t.data, t.tensor_type)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
         values = values.copy()
@@ -300,6 +305,8 @@ def read_tensor(file: BinaryIO, t: ReaderTensor, blocks: bool = False) -> torch.
         return b if blocks else b.dequantize()
     if t.tensor_type == Q.F32:
         return torch.frombuffer(raw, dtype=torch.float32).reshape(torch_shape(t))
+    if t.tensor_type in gguf_quants.BLOCKS:
+        return gguf_quants.dequantize_blocks(torch.frombuffer(raw, dtype=torch.uint8), t.tensor_type).reshape(torch_shape(t))
     return torch.from_numpy(dequantize(np.frombuffer(raw, dtype=np.uint8), t.tensor_type).reshape(torch_shape(t)))
 
 
