@@ -1,7 +1,8 @@
 """The external oracle: llama.cpp's own convert_hf_to_gguf.py turns tiny random HF checkpoints of the
 newer families into GGUF (arch gemma2, gemma3, gpt-oss, qwen3moe, deepseek2), llama.cpp
 (llama-cpp-python) runs them greedily, and decoderlm on that GGUF gives llama.cpp's tokens and its own
-logits on the HF folder.
+logits on the HF folder; and files llama.cpp quantizes from those (MXFP4, Q5_0, Q5_1, IQ4_NL) give
+llama.cpp's greedy tokens too, loaded as float and with --quantize auto.
 
 The converter comes from a llama.cpp source tree: $DECODERLM_LLAMA_CPP_TREE, else the tree inside an
 unpacked llama-cpp-python source release in a few default places (`pip download llama-cpp-python
@@ -103,10 +104,15 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder / "hf", convert(request.param, folder)
+
+
+def convert(name: str, folder: Path) -> Path:
+    """A random HF checkpoint for case `name` in folder/hf, and folder/name.gguf converted from it by llama.cpp."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = tmp_path_factory.mktemp(request.param)
-    model_type, kwargs = CASES[request.param]
+    model_type, kwargs = CASES[name]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -118,11 +124,11 @@ def case(request, tmp_path_factory):
     hf.generation_config.eos_token_id = None
     hf.save_pretrained(folder / "hf")
     write_tokenizer(folder / "hf")
-    gguf = folder / f"{request.param}.gguf"
+    gguf = folder / f"{name}.gguf"
     done = subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp_tree()), str(folder / "hf"), str(gguf)],
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"convert_hf_to_gguf.py failed on {request.param}:\n{done.stderr[-3000:]}"
-    return request.param, folder / "hf", gguf
+    assert done.returncode == 0, f"convert_hf_to_gguf.py failed on {name}:\n{done.stderr[-3000:]}"
+    return gguf
 
 
 def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
@@ -154,3 +160,45 @@ def test_logits_on_gguf_equal_logits_on_hf_folder(case):
     a, b = (x if torch.is_tensor(x) else x.logits for x in (a, b))
     assert a.shape == b.shape, name
     assert (a - b).abs().max().item() < TOL, name
+
+
+# Files llama.cpp itself quantizes (llama_model_quantize) from the converted ones, in the types the newer
+# families ship with. The tiny matrices' rows (64, 96) are not multiples of 256, so llama.cpp writes no
+# K-quant or IQ4_XS here (it falls back to Q4_0 / IQ4_NL); those types are checked block by block in
+# test_gguf_quants.py. llama.cpp rounds activations to 8 bits for its quantized products, so logits differ
+# by a few hundredths; the greedy tokens must not.
+QUANTIZED = [("gpt_oss", "MXFP4_MOE", "MXFP4"), ("qwen3_moe", "Q5_0", "Q5_0"), ("qwen3_moe", "Q5_1", "Q5_1"),
+             ("qwen3_moe", "IQ4_NL", "IQ4_NL"), ("gemma3", "Q5_0", "Q5_0")]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """case name → its converted f32 GGUF (made once per name)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = convert(name, tmp_path_factory.mktemp(name))
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name, ftype, qtype", QUANTIZED, ids=[f"{n}-{f}" for n, f, _ in QUANTIZED])
+def test_llama_cpp_quantized_files_give_llama_cpp_greedy_tokens(converted, tmp_path, name, ftype, qtype):
+    import ctypes
+
+    import llama_cpp
+    from gguf import GGUFReader
+
+    from decoderlm.quantize import Int8GroupLinear, Int8Linear
+
+    out = tmp_path / f"{name}-{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(converted(name)).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    assert qtype in {t.tensor_type.name for t in GGUFReader(out).tensors}
+    want = llama_cpp_greedy(out, PROMPT, NEW_TOKENS)
+    for mode in (None, "auto"):
+        ours, _ = load(out, quantize=mode)
+        assert generate(ours, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)) == want, mode
+    assert any(isinstance(m, (Int8Linear, Int8GroupLinear)) for m in ours.modules())  # auto: on the int8 grid
