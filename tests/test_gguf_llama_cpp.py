@@ -168,7 +168,7 @@ def test_logits_on_gguf_equal_logits_on_hf_folder(case):
 # test_gguf_quants.py. llama.cpp rounds activations to 8 bits for its quantized products, so logits differ
 # by a few hundredths; the greedy tokens must not.
 QUANTIZED = [("gpt_oss", "MXFP4_MOE", "MXFP4"), ("qwen3_moe", "Q5_0", "Q5_0"), ("qwen3_moe", "Q5_1", "Q5_1"),
-             ("qwen3_moe", "IQ4_NL", "IQ4_NL"), ("gemma3", "Q5_0", "Q5_0")]
+             ("qwen3_moe", "IQ4_NL", "IQ4_NL"), ("gemma3", "Q5_0", "Q5_0"), ("deepseek_v3", "Q5_0", "Q5_0")]
 
 
 @pytest.fixture(scope="module")

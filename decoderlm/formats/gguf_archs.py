@@ -72,7 +72,7 @@ def arch_fields(meta: Any, tensors: dict[str, Any], fields: dict[str, Any]) -> d
     if arch == "qwen3moe":
         out.update(moe_renormalize=True)
     if arch == "deepseek2":
-        out.update(_deepseek_fields(meta, fields))
+        out.update(_deepseek_fields(meta, tensors, fields))
     return out
 
 
@@ -91,7 +91,7 @@ def _layer_types(meta: Any, n: int, every: int) -> dict[str, Any]:
     return dict(layer_types=None if FULL not in types else types)
 
 
-def _deepseek_fields(meta: Any, fields: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_fields(meta: Any, tensors: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     if meta.get("{arch}.rope.scaling.yarn_log_multiplier"):
         raise DecoderLMError("this deepseek2 GGUF uses YaRN with mscale_all_dim (rope.scaling.yarn_log_multiplier), "
                              "which decoderlm does not read from GGUF yet; load the HF checkpoint instead")
@@ -103,6 +103,9 @@ def _deepseek_fields(meta: Any, fields: dict[str, Any]) -> dict[str, Any]:
     if not fields.get("n_experts"):
         return out
     v3 = int(meta.get("{arch}.expert_gating_func") or 1) == SIGMOID
+    if not v3 and any(name.endswith("exp_probs_b.bias") for name in tensors):
+        raise DecoderLMError("this deepseek2 GGUF has a router selection bias (exp_probs_b) but softmax routing (no expert_gating_func 2); "
+                             "decoderlm runs that bias with sigmoid scores only (DeepSeek-V3): re-convert with scoring_func \"sigmoid\" in config.json")
     dense = int(meta.get("{arch}.leading_dense_block_count") or 0)
     return out | dict(family="deepseek_v3" if v3 else "deepseek_v2", moe_router="sigmoid" if v3 else "softmax",
                       n_shared_experts=int(meta.get("{arch}.expert_shared_count") or 0), moe_dense_layers=list(range(dense)) or None,
