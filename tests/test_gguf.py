@@ -158,8 +158,8 @@ def test_dequantize_k_quants_against_reference(tmp_path, qtype):
 
 def test_unsupported_quant_type_is_one_line_error(tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
-    write_gguf(tmp_path / "q.gguf", "llama", {}, [("t", x, Q.Q5_0)])
-    with pytest.raises(DecoderLMError, match=r"Q5_0.*not supported; supported: F32, F16, BF16, Q8_0") as e:
+    write_gguf(tmp_path / "q.gguf", "llama", {}, [("t", np.tile(x, 4), Q.TQ2_0)])
+    with pytest.raises(DecoderLMError, match=r"TQ2_0.*not supported; supported: F32, F16, BF16, Q8_0") as e:
         dequantize_tensor(read_tensor(tmp_path / "q.gguf"))
     assert "\n" not in str(e.value)
 

@@ -59,6 +59,8 @@ class TensorByTensor:
         self.model = meta_model(config)
         self.dtype, self.device, self.quantize = dtype, torch.device(device), quantize
         self.shapes = {name: p.shape for name, p in self.model.named_parameters(remove_duplicate=False)}
+        self.buffers = {name for name in self.model.state_dict(keep_vars=True) if name not in self.shapes}  # persistent: DeepSeek-V3's router bias
+        self.shapes |= {name: self.model.get_buffer(name).shape for name in self.buffers}
         self.loaded: set[str] = set()
 
     def put(self, name: str, value: torch.Tensor) -> None:
@@ -69,6 +71,10 @@ class TensorByTensor:
         owner, _, param = name.rpartition(".")
         module = self.model.get_submodule(owner)
         bias = getattr(module, "bias", None) if f"{owner}.bias" in self.loaded else None
+        if name in self.buffers:  # the router reads it in fp32
+            module.register_buffer(param, dequantize(value).to(self.device, torch.float32))
+            self.loaded.add(name)
+            return
         layers = quantized_layers(self.model, name, value, self.quantize, self.dtype, bias) if self.quantize else {}
         for layer_name, layer in layers.items():
             set_module(self.model, layer_name, layer.to(self.device))

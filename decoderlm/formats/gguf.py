@@ -10,7 +10,8 @@ the model plus one tensor. Quirks undone here:
 - no `output` tensor means the LM head is tied to the token embedding;
 - Llama 3.1+ RoPE scaling is a `rope_freqs` tensor of per-frequency divisors, read back into the
   llama3 parameters that produced it when they are Llama 3's own;
-- Mixtral is arch "llama" with stacked expert tensors (`ffn_*_exps`), split into one MLP per expert.
+- Mixtral is arch "llama" with stacked expert tensors (`ffn_*_exps`), split into one MLP per expert;
+- Gemma-2/3, gpt-oss, Qwen3-MoE and DeepSeek-V2/V3 (MLA): `gguf_archs`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.formats import gguf_archs, gguf_quants
 from decoderlm.formats.build import TensorByTensor
 from decoderlm.heap import trim_heap
 from decoderlm.model import Transformer
@@ -41,12 +43,14 @@ from decoderlm.quantize import Blocks, kernels_vectorized
 from decoderlm.tokenizer.bpe import HFTokenizer
 
 Q = GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, *gguf_quants.BLOCKS)
 # --quantize auto: the quantized mode that keeps a file's layer weights as the file has them. Q4_0 /
-# Q4_1 / Q8_0 blocks are computed with as they are (exact); K-quant blocks do not fit the int4 layout
-# and go onto Q8_0's finer grid (int8) rather than back to float; float files stay float.
-NATIVE_MODES = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8", Q.Q4_K: "int8", Q.Q5_K: "int8", Q.Q6_K: "int8"}
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+# Q4_1 / Q8_0 blocks are computed with as they are (exact); K-quant blocks, and the 5-bit, 2/3-bit,
+# non-uniform 4-bit (IQ4) and MXFP4 ones (gguf_quants), do not fit the int4 layout and go onto Q8_0's
+# finer grid (int8) rather than back to float; float files stay float.
+NATIVE_MODES = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q8_0: "int8", Q.Q4_K: "int8", Q.Q5_K: "int8", Q.Q6_K: "int8",
+                **dict.fromkeys(gguf_quants.BLOCKS, "int8")}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *gguf_archs.FAMILIES)
 PROGRESS_BYTES = 300 * 2**20  # files above this show a progress bar (on a terminal) while they load
 
 # llama.cpp tensor name → ours; {i} is the layer.
@@ -87,10 +91,11 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device
     generation_defaults = meta.sampling_defaults()
     reader.fields.clear()  # the metadata, read: its ~100k small arrays (SmolLM2: 63 MB) go before the weights come
     fill = TensorByTensor(config, torch_dtype, device, quantize)
+    kv_b = gguf_archs.KvB()
     big = path.stat().st_size > PROGRESS_BYTES
     with path.open("rb") as file:
         for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", leave=False, disable=None if big else True):
-            for name, value in convert_tensor(t, config, meta.arch, read_tensor(file, t, blocks=quantize is not None)):
+            for name, value in convert_tensor(t, config, meta.arch, read_tensor(file, t, blocks=quantize is not None), kv_b):
                 if name not in fill.shapes:
                     raise DecoderLMError(f"GGUF tensor {t.name} ({name}) has no place in a {meta.arch} model; the file does not match its metadata")
                 if fill.shapes[name] != value.shape:
@@ -229,14 +234,21 @@ def gguf_fields(meta: Metadata, tensors: dict[str, ReaderTensor]) -> dict[str, A
             fields["rope_scaling"] = rope_freqs_scaling(factors, rot_dim, fields["rope_theta"])
         elif meta.get("{arch}.rope.scaling.type") == "linear":
             fields["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require("{arch}.rope.scaling.factor"))}
+        elif meta.get("{arch}.rope.scaling.type") == "yarn":  # llama.cpp rounds the blended dims' range (truncate)
+            fields["rope_scaling"] = {"rope_type": "yarn", "factor": float(meta.require("{arch}.rope.scaling.factor")),
+                                      "original_max_position_embeddings": int(meta.require("{arch}.rope.scaling.original_context_length")),
+                                      "beta_fast": float(meta.get("{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+                                      "beta_slow": float(meta.get("{arch}.rope.scaling.yarn_beta_slow") or 1.0), "truncate": True}
         elif meta.get("{arch}.rope.scaling.type") not in (None, "none"):
-            raise DecoderLMError(f"GGUF rope scaling {meta.get('{arch}.rope.scaling.type')!r} is not supported; supported: linear")
+            raise DecoderLMError(f"GGUF rope scaling {meta.get('{arch}.rope.scaling.type')!r} is not supported; supported: linear, yarn")
     if meta.get("{arch}.attention.sliding_window"):
         fields["sliding_window"] = int(meta.get("{arch}.attention.sliding_window"))
     if n_experts:  # llama.cpp's llama arch mixes the chosen experts with renormalized weights, as Mixtral does
         moe_hidden = int(meta.get("{arch}.expert_feed_forward_length") or fields["ffn_hidden"])
         fields.update(n_experts=n_experts, n_experts_per_tok=int(meta.require("{arch}.expert_used_count")),
                       moe_hidden=moe_hidden, moe_renormalize=True)
+    if arch in gguf_archs.FAMILIES:
+        fields.update(gguf_archs.arch_fields(meta, tensors, fields))
     return fields
 
 
@@ -261,6 +273,9 @@ def rope_freqs_scaling(factors: torch.Tensor, rot_dim: int, theta: float) -> dic
 def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     """fp32 torch tensor in PyTorch's (out, in) order, read through the memory map (small tensors)."""
     check_type(t)
+    if t.tensor_type in gguf_quants.BLOCKS:
+        raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1).copy())
+        return gguf_quants.dequantize_blocks(raw, t.tensor_type).reshape(torch_shape(t))
     values = dequantize(t.data, t.tensor_type)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
         values = values.copy()
@@ -290,6 +305,8 @@ def read_tensor(file: BinaryIO, t: ReaderTensor, blocks: bool = False) -> torch.
         return b if blocks else b.dequantize()
     if t.tensor_type == Q.F32:
         return torch.frombuffer(raw, dtype=torch.float32).reshape(torch_shape(t))
+    if t.tensor_type in gguf_quants.BLOCKS:
+        return gguf_quants.dequantize_blocks(torch.frombuffer(raw, dtype=torch.uint8), t.tensor_type).reshape(torch_shape(t))
     return torch.from_numpy(dequantize(np.frombuffer(raw, dtype=np.uint8), t.tensor_type).reshape(torch_shape(t)))
 
 
@@ -310,8 +327,10 @@ def unpack_blocks(raw: torch.Tensor, kind: GGMLQuantizationType, shape: tuple[in
     return Blocks(q, d, m)
 
 
-def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str, value: torch.Tensor | Blocks) -> list[tuple[str, torch.Tensor | Blocks]]:
-    """One GGUF tensor's value → (our parameter name, value) pairs (several for fused or stacked tensors)."""
+def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str, value: torch.Tensor | Blocks,
+                   kv_b: gguf_archs.KvB | None = None) -> list[tuple[str, torch.Tensor | Blocks]]:
+    """One GGUF tensor's value → (our parameter name, value) pairs (several for fused or stacked tensors;
+    none for a part kept until its other half comes: DeepSeek's split kv_b_proj, joined in `kv_b`)."""
     match = _NAME_RE.match(t.name)
     if match is None:
         raise DecoderLMError(f"unexpected GGUF tensor name {t.name}; the file is not a supported {arch} model")
@@ -328,12 +347,17 @@ def convert_tensor(t: ReaderTensor, config: ModelConfig, arch: str, value: torch
     if key.endswith("_exps"):  # MoE: (n_experts, out, in), one slice per expert
         proj = {"blk.{i}.ffn_gate_exps": "gate_proj", "blk.{i}.ffn_up_exps": "up_proj", "blk.{i}.ffn_down_exps": "down_proj"}[key]
         return [(f"layers.{i}.mlp.experts.{e}.{proj}.{param}", w) for e, w in enumerate(value.unbind(0))]
-    if key not in TENSOR_NAMES:
+    if key in ("blk.{i}.attn_k_b", "blk.{i}.attn_v_b") and kv_b is not None:
+        return kv_b.add(i, key[-3], value.dequantize() if isinstance(value, Blocks) else value)
+    ours = gguf_archs.tensor_name(arch, key) or TENSOR_NAMES.get(key)
+    if ours is None:
         raise DecoderLMError(f"GGUF tensor {t.name} is not supported for architecture {arch}")
+    if key in gguf_archs.NO_SUFFIX:
+        return [(ours.format(i=i), value)]
     if arch in ("llama", "mistral") and key in ("blk.{i}.attn_q", "blk.{i}.attn_k"):
         n_heads = config.n_heads if key.endswith("q") else config.n_kv_heads
         value = value.map(lambda w: unpermute_rope_rows(w, n_heads)) if isinstance(value, Blocks) else unpermute_rope_rows(value, n_heads)
-    return [(f"{TENSOR_NAMES[key].format(i=i)}.{param}", value)]
+    return [(f"{ours.format(i=i)}.{param}", value)]
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -362,7 +386,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
     if pre in _DIGIT_SPLIT:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre not in ("gpt2", "default", ""):
+    if pre not in ("gpt2", "gpt-2", "default", ""):
         warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to decoderlm; splitting words like GPT-2", stacklevel=3)
     return byte_level
 
