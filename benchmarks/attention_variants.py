@@ -123,9 +123,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, context: int) -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for r in rows:
+    for i, r in enumerate(rows):  # labels alternately above and below: the two mixes sit on one point
         ax.scatter(r["kv_bytes_per_token_at_context"], r["val_loss"], s=30)
-        ax.annotate(r["name"], (r["kv_bytes_per_token_at_context"], r["val_loss"]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(r["name"], (r["kv_bytes_per_token_at_context"], r["val_loss"]), fontsize=8, xytext=(4, -10 if i % 2 else 3),
+                    textcoords="offset points")
     ax.set_xscale("log", base=2)
     ax.set(xlabel=f"KV cache bytes per token at {context:,} tokens of context (bf16, all 4 layers)", ylabel="val loss (nats/char)", title=title)
     ax.grid(alpha=0.3)
