@@ -36,13 +36,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
-         device: str | torch.device = "cpu", fuse: bool = True) -> tuple[Transformer, Tokenizer]:
+         device: str | torch.device = "cpu", fuse: bool = True, text: bool = True) -> tuple[Transformer, Tokenizer]:
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
     quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`); "auto": a
     quantized GGUF keeps its own precision (Q4 blocks int4, Q8_0 and K-quants int8), anything else
     loads in `dtype`; None or "none": `dtype` (a quantized GGUF dequantized exactly).
     fuse: q/k/v and gate/up projections stacked for fast inference (see `decoderlm.model.fuse`);
-    False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name."""
+    False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name.
+    text=False: an HF folder without tokenizer files loads with an `IdsOnly` tokenizer (driven by token ids)."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     mode = parse_mode(quantize)
     path = names.resolve(source)
@@ -54,7 +55,7 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
         if fuse:  # a quantized model's layers are stacked as they are (decoderlm.quantize.concat)
             fuse_projections(model)
         return model, tokenizer
-    model, tokenizer = _load(source, path, kind, torch_dtype, torch_device)
+    model, tokenizer = _load(source, path, kind, torch_dtype, torch_device, text)
     if fuse:  # before quantizing: a stacked matrix quantizes row by row to the same numbers
         fuse_projections(model)
     if mode not in (None, "auto"):  # auto: float weights stay float
@@ -62,7 +63,8 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     return model, tokenizer
 
 
-def _load(source: str | Path, path: Path, kind: Format | None, torch_dtype: torch.dtype, device: torch.device) -> tuple[Transformer, Tokenizer]:
+def _load(source: str | Path, path: Path, kind: Format | None, torch_dtype: torch.dtype, device: torch.device,
+          text: bool = True) -> tuple[Transformer, Tokenizer]:
     if kind == "run":
         return runs.load_run(path, torch_dtype, device)
     if kind == "peft":  # a LoRA run: its base with the adapter merged in
@@ -70,7 +72,7 @@ def _load(source: str | Path, path: Path, kind: Format | None, torch_dtype: torc
     if kind == "hf":
         from decoderlm.formats.hf import load_hf
 
-        return load_hf(path, torch_dtype, device)
+        return load_hf(path, torch_dtype, device, text)
     if kind == "gguf":
         from decoderlm.formats.gguf import load_gguf
 

@@ -101,3 +101,51 @@ def test_chat_and_generate_take_the_same_sampling_defaults(tmp_path, monkeypatch
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         assert "else temperature 0.2, top_p 0.9" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture(scope="module")
+def ids_only_folder(tmp_path_factory):
+    """A tiny random Gemma-3 saved without tokenizer files (window 6, shorter than prompt + reply)."""
+    folder = tmp_path_factory.mktemp("no-tokenizer")
+    model = make_hf_model("gemma3", folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    return folder, model
+
+
+def test_generate_prompt_ids_prints_transformers_greedy_ids(ids_only_folder, capsys):
+    folder, model = ids_only_folder
+    prompt = [5, 17, 42, 7, 99, 3, 250]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
+    argv = ["generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0", "--max-new-tokens", "10"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == ",".join(map(str, expected)) + "\n"
+
+
+def test_generate_prompt_ids_stops_at_generation_config_eos(ids_only_folder, tmp_path, capsys):
+    folder, model = ids_only_folder
+    prompt = [5, 17, 42, 7, 99, 3, 250]
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
+    stop = next(t for t in greedy if t != greedy[0])  # the reply ends before it (the stop id is not printed)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in folder.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    assert cli.main(["generate", "--model", str(copy), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out == ",".join(map(str, greedy[:greedy.index(stop)])) + "\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "Hi", "--prompt-ids", "1,2"], "give one of --prompt (text) and --prompt-ids"),
+    ([], "give one of --prompt (text) and --prompt-ids"),
+    (["--prompt-ids", "1,x"], "--prompt-ids takes comma-separated token ids such as 1,2,3, got '1,x'"),
+    (["--prompt-ids", "1,-2"], "--prompt-ids: token ids are non-negative, got -2"),
+    (["--prompt-ids", "1,320,2"], "--prompt-ids: 320 is outside the model's vocabulary (ids 0 to 319)"),
+    (["--prompt", "Hi"], "has no tokenizer.json (decoderlm reads the fast-tokenizer file)"),
+])
+def test_generate_prompt_ids_refusals_are_one_line(ids_only_folder, capsys, argv, message):
+    folder, _ = ids_only_folder
+    assert cli.main(["generate", "--model", str(folder), *argv]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -207,3 +207,48 @@ def test_not_a_model_config(tmp_path, capsys):
     bad.write_text('{"hello": 1}')
     code, _, err = run_cli(["inspect", str(bad)], capsys)
     assert code == 2 and "not an HF model config" in err
+
+
+# Published config.json fields (abridged to what the readers use): a family decoderlm does not run, and
+# a multimodal one whose vision tower the counts leave out.
+FALCON_7B = {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71, "vocab_size": 65024,
+             "multi_query": True, "parallel_attn": True, "alibi": False, "bias": False}
+QWEN2_VL_7B = {"model_type": "qwen2_vl", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+               "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+               "tie_word_embeddings": False, "vision_config": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "hidden_size": 3584}}
+
+
+@pytest.mark.parametrize("name, runs", [("llama-3.1-8b", "yes"), ("gemma-3-1b", "yes"), ("deepseek-v3", "yes"), ("gpt-oss-20b", "yes")])
+def test_inspect_says_it_runs_a_supported_config(name, runs, capsys):
+    code, out, _ = run_cli(["info", str(CONFIGS / f"{name}.json")], capsys)
+    assert code == 0 and out.splitlines()[2] == f"runs in decoderlm: {runs}"
+
+
+@pytest.mark.parametrize("cfg, reason", [
+    (FALCON_7B, "model_type 'falcon' is not supported; supported families: gpt2, llama"),
+    ({"model_type": "gemma3", "text_config": json.loads((CONFIGS / "gemma-3-1b.json").read_text()), "vision_config": {"hidden_size": 1152}},
+     "model_type 'gemma3' is not supported"),  # the multimodal wrapper: its text model is a runnable family, the folder is not
+    (json.loads((CONFIGS / "gpt-oss-20b.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}},
+     "holds mxfp4 weights (config.json's quantization_config), which decoderlm does not read"),
+])
+def test_inspect_says_plainly_what_load_refuses(cfg, reason, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = run_cli(["inspect", str(tmp_path / "config.json")], capsys)
+    line = next(line for line in out.splitlines() if line.startswith("runs in decoderlm:"))
+    assert code == 0 and line.startswith("runs in decoderlm: no: ") and reason in line
+    code, out, _ = run_cli(["inspect", str(tmp_path / "config.json"), "--json"], capsys)
+    assert json.loads(out)["runs"].startswith("no: ")
+
+
+def test_inspect_says_a_multimodal_count_leaves_the_vision_tower_out(tmp_path, capsys):
+    """A multimodal wrapper decoderlm does not run (Gemma-3's): the count is its language model's, and the
+    report says the tower is left out. A vision-language family it runs (Qwen2-VL) counts both towers."""
+    text = json.loads((CONFIGS / "gemma-3-1b.json").read_text())
+    wrapper = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 1152}}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    code, out, _ = run_cli(["info", str(tmp_path / "config.json")], capsys)
+    assert code == 0 and "counts: the text model only; the vision tower (vision_config) is not counted" in out.splitlines()
+    assert read_spec(tmp_path / "config.json").uncounted == ["vision_config"] and spec_from_hf(text).uncounted == []
+    assert Accounting.of(spec_from_hf(wrapper)).total == Accounting.of(spec_from_hf(text)).total
+    vl = spec_from_hf(QWEN2_VL_7B)  # runs in decoderlm: nothing uncounted, the tower in the total (8.29 B published)
+    assert vl.refused is None and vl.uncounted == [] and Accounting.of(vl).total > 8_000_000_000

@@ -119,14 +119,15 @@ def apply_run_flags(args: argparse.Namespace) -> torch.device:
     return resolve_device(args.device)
 
 
-def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+def load_model(args: argparse.Namespace, text: bool = True) -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer named by --model, with --dtype, --quantize, --threads and --device applied.
-    Sampling flags, where the command has them, are checked first: a bad value fails before the load."""
+    Sampling flags, where the command has them, are checked first: a bad value fails before the load.
+    text=False: an HF folder without tokenizer files loads too (see `load`)."""
     source = model_source(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    return load(source, dtype=args.dtype, quantize=args.quantize, device=device)
+    return load(source, dtype=args.dtype, quantize=args.quantize, device=device, text=text)
 
 
 def check_out_file(path: str | Path, what: str = "--out") -> Path:

@@ -17,6 +17,7 @@ from decoderlm.cli.common import (
     sampling_params,
 )
 from decoderlm.cli.speculative import add_speculative_flags, decoding_from_args
+from decoderlm.errors import DecoderLMError
 from decoderlm.generate import stream
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
@@ -34,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)", epilog=SAMPLING_EPILOG)
     add_model_source(p, default=DEFAULT_MODEL)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", help="the text to continue")
+    p.add_argument("--prompt-ids", metavar="IDS", help="token ids to continue instead of text, comma-separated (e.g. 1,2,3); "
+                                                       "prints the generated ids the same way. Needs no tokenizer files")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)
@@ -100,13 +103,37 @@ def sample_start(tok) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    model, tok = load_model(args)
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise DecoderLMError("give one of --prompt (text) and --prompt-ids (token ids, e.g. 1,2,3)")
+    ids = None if args.prompt_ids is None else parse_ids(args.prompt_ids)
+    model, tok = load_model(args, text=ids is None)
     decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
-    prompt = tok.encode(args.prompt)
-    tokens = decoding.stream(prompt, params)  # raises on a bad prompt before anything is printed
-    print(args.prompt, end="", flush=True)
-    print_stream(tok, tokens, prompt)
+    if ids is not None:
+        vocab = model.config.vocab_size
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise DecoderLMError(f"--prompt-ids: {outside[0]} is outside the model's vocabulary (ids 0 to {vocab - 1})")
+        tokens = decoding.stream(ids, params)
+        for i, t in enumerate(tokens):
+            print(f",{t}" if i else t, end="", flush=True)
+        print()
+    else:
+        prompt = tok.encode(args.prompt)
+        tokens = decoding.stream(prompt, params)  # raises on a bad prompt before anything is printed
+        print(args.prompt, end="", flush=True)
+        print_stream(tok, tokens, prompt)
     decoding.report()
     return 0
+
+
+def parse_ids(text: str) -> list[int]:
+    """`1,2,3` → [1, 2, 3] (spaces allowed); one clear line for anything else."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise DecoderLMError(f"--prompt-ids takes comma-separated token ids such as 1,2,3, got {text!r}") from None
+    if any(t < 0 for t in ids):
+        raise DecoderLMError(f"--prompt-ids: token ids are non-negative, got {min(ids)}")
+    return ids
 

@@ -30,7 +30,7 @@ from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import CharTokenizer
-from decoderlm.tokenizer.bpe import HFTokenizer, generation_defaults
+from decoderlm.tokenizer.bpe import HFTokenizer, IdsOnly, generation_defaults
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -54,6 +54,16 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise DecoderLMError(f"config.json has a value of the wrong type or out of range ({e}); {restore}") from None
 
 
+def loadable_config(d: dict[str, Any], where: str = "this checkpoint") -> ModelConfig:
+    """`config_from_hf`, also refusing what `load_hf` cannot read beyond the config: pre-quantized weights."""
+    if d.get("quantization_config"):  # gpt-oss ships its experts in MXFP4 blocks and scales, others in GPTQ/AWQ/FP8 layouts
+        method = d["quantization_config"].get("quant_method", "pre-quantized")
+        raise DecoderLMError(f"{where} holds {method} weights (config.json's quantization_config), which decoderlm does not read; "
+                             "dequantize it with transformers (for gpt-oss: Mxfp4Config(dequantize=True)) and save_pretrained, "
+                             "then load that folder (or pass --quantize int8/int4 to decoderlm)")
+    return config_from_hf(d)
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json fields for this model. Refuses a config the family cannot express exactly (reading
     the result back must give the same model), so an exported checkpoint never means something else."""
@@ -68,20 +78,20 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return d
 
 
-def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Transformer, HFTokenizer]:
-    """(model in eval mode on `device`, tokenizer) from an HF folder."""
+def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+            text: bool = True) -> tuple[Transformer, HFTokenizer | IdsOnly]:
+    """(model in eval mode on `device`, tokenizer) from an HF folder. text=False: a folder without
+    tokenizer.json loads too, with an `IdsOnly` tokenizer (token ids in and out)."""
     path = Path(path)
     d = read_config(path)
-    if d.get("quantization_config"):  # gpt-oss ships its experts in MXFP4 blocks and scales, others in GPTQ/AWQ/FP8 layouts
-        method = d["quantization_config"].get("quant_method", "pre-quantized")
-        raise DecoderLMError(f"{path} holds {method} weights (config.json's quantization_config), which decoderlm does not read; "
-                             "dequantize it with transformers (for gpt-oss: Mxfp4Config(dequantize=True)) and save_pretrained, "
-                             "then load that folder (or pass --quantize int8/int4 to decoderlm)")
-    config = config_from_hf(d)
-    if not (path / "tokenizer.json").is_file():
-        raise DecoderLMError(f"{path} has no tokenizer.json (decoderlm reads the fast-tokenizer file); "
-                             "copy the tokenizer files from the original checkpoint into it")
-    tokenizer = HFTokenizer.from_hf_folder(path)
+    config = loadable_config(d, str(path))
+    if (path / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer.from_hf_folder(path)
+    elif text:
+        raise DecoderLMError(f"{path} has no tokenizer.json (decoderlm reads the fast-tokenizer file); copy the tokenizer "
+                             "files from the original checkpoint into it, or drive it with token ids (generate --prompt-ids)")
+    else:
+        tokenizer = IdsOnly(path)
     model = load_weights(path, config, torch_dtype, device)
     model.generation_defaults = generation_defaults(path)
     return model.eval(), tokenizer

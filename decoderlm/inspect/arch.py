@@ -23,7 +23,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.formats import detect, runs
 from decoderlm.formats.families import FAMILIES, qwen_layer_types, read_rope
 from decoderlm.formats.gguf import Metadata, gguf_fields, open_gguf
-from decoderlm.formats.hf import config_from_hf
+from decoderlm.formats.hf import config_from_hf, loadable_config
 from decoderlm.jsonio import read_json
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -33,7 +33,7 @@ TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
 GPT2_LIKE = {"gpt2"}
 SANDWICH_NORMS = {"gemma2", "gemma3", "gemma3_text"}  # norms before and after each sublayer
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
-QKV_BIAS = {"qwen2", "qwen2_moe"}  # biased q/k/v, unbiased o_proj regardless of attention_bias
+QKV_BIAS = {"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"}  # biased q/k/v, unbiased o_proj regardless of attention_bias
 
 
 @dataclass
@@ -78,6 +78,8 @@ class ArchSpec:
     v_head_dim: int = 0
     vision: dict[str, Any] | None = None  # a vision-language model's vision tower: decoderlm.model.vision.VisionConfig's fields
     source: str = ""
+    refused: str | None = None  # why `load` refuses this model (None: decoderlm runs it)
+    uncounted: list[str] = dataclasses.field(default_factory=list)  # towers outside the counts (a multimodal model's vision_config)
 
     @property
     def mla(self) -> bool:
@@ -100,6 +102,10 @@ class ArchSpec:
             return f"MLA {self.n_heads} heads, latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
         kind = "MHA" if self.n_kv_heads == self.n_heads else "MQA" if self.n_kv_heads == 1 else "GQA"
         return f"{kind} {self.n_heads}:{self.n_kv_heads}"
+
+    def runs(self) -> str:
+        """Whether decoderlm runs this model, in one line: "yes" or "no: <the loader's reason>"."""
+        return "yes" if self.refused is None else f"no: {self.refused}"
 
     def features(self) -> list[str]:
         """One line per thing that sets this family apart."""
@@ -154,8 +160,21 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
     """An HF config.json dict (any family, runnable by decoderlm or not)."""
-    if "text_config" in cfg and cfg.get("model_type") not in FAMILIES:  # multimodal wrappers (Gemma-3 4B+): account for the language model
+    try:
+        loadable_config(cfg, source or "this checkpoint")
+        refused = None
+    except DecoderLMError as e:  # the loader's own reason
+        refused = str(e)
+    runs_vision = cfg.get("model_type") in FAMILIES  # a vision-language family decoderlm runs counts its tower
+    towers = [] if runs_vision else [key for key in cfg if key.endswith("_config") and any(m in key for m in ("vision", "audio", "speech"))]
+    if "text_config" in cfg and not runs_vision:  # multimodal wrappers (Gemma-3 4B+): the counts are the language model's
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    spec = _spec_from_text_hf(cfg, source)
+    spec.refused, spec.uncounted = refused, towers
+    return spec
+
+
+def _spec_from_text_hf(cfg: dict[str, Any], source: str) -> ArchSpec:
     if cfg.get("model_type") in FAMILIES:
         try:
             return spec_from_model_config(config_from_hf(cfg), source)

@@ -87,7 +87,9 @@ def header(acc: Accounting) -> list[str]:
     s = acc.spec
     head = [f"{s.source or s.family}", f"family {s.family}: {s.n_layers} layers, d_model {s.d_model:,}, head_dim {s.head_dim}, "
             f"FFN hidden {s.ffn_hidden:,}, vocab {s.vocab_size:,}"]
-    return head + [f"  {line}" for line in s.features()]
+    towers = " and ".join(f"the {key.removesuffix('_config')} tower ({key})" for key in s.uncounted)
+    uncounted = [f"counts: the text model only; {towers} {'is' if len(s.uncounted) == 1 else 'are'} not counted"] if towers else []
+    return head + [f"runs in decoderlm: {s.runs()}", *uncounted] + [f"  {line}" for line in s.features()]
 
 
 def report(acc: Accounting, context: int, batch: int) -> str:
@@ -104,6 +106,7 @@ def compare(accs: list[Accounting], names: list[str], context: int, batch: int) 
     """Key numbers of several models in columns, e.g. MHA vs GQA vs MQA variants of one config."""
     rows: list[tuple[str, list[str]]] = [
         ("family", [a.spec.family for a in accs]),
+        ("runs in decoderlm", ["yes" if a.spec.refused is None else "no" for a in accs]),
         ("layers × d_model", [f"{a.spec.n_layers} × {a.spec.d_model:,}" for a in accs]),
         ("attention", [a.spec.attention_kind() for a in accs]),
         ("head_dim", [str(a.spec.head_dim) for a in accs]),
@@ -128,6 +131,7 @@ def as_dict(acc: Accounting, context: int, batch: int) -> dict[str, Any]:
     return {
         "spec": dataclasses.asdict(acc.spec),
         "features": acc.spec.features(),
+        "runs": acc.spec.runs(),
         "parts": [dataclasses.asdict(p) for p in acc.parts],
         "groups": {g: acc.group(g) for g in GROUPS},
         "total": acc.total, "non_embedding": acc.non_embedding, "active": acc.active,

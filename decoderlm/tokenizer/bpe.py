@@ -71,10 +71,8 @@ class HFTokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         specials = {name: _content(config.get(name)) for name in SPECIAL_NAMES}
-        eos = read_json(path / "generation_config.json", "generation_config.json", "fix or delete it", missing_ok=True).get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         # BOS/EOS come from tokenizer.json's post-processor: transformers ignores add_bos_token here too.
-        return cls(tokenizer, special_tokens=specials, eos_token_ids=eos_ids, chat_template=template)
+        return cls(tokenizer, special_tokens=specials, eos_token_ids=generation_eos_ids(path), chat_template=template)
 
     def save(self, out_dir: str | Path) -> None:
         """tokenizer.json + tokenizer_config.json, loadable by `from_hf_folder` and by transformers."""
@@ -124,6 +122,37 @@ class HFTokenizer:
 def _content(token: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
+
+
+def generation_eos_ids(folder: str | Path) -> list[int]:
+    """The ids that end generation, from generation_config.json's eos_token_id (an int or a list)."""
+    eos = read_json(Path(folder) / "generation_config.json", "generation_config.json", "fix or delete it", missing_ok=True).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class IdsOnly:
+    """An HF folder without tokenizer files, driven by token ids (`generate --prompt-ids`): its end-of-text
+    ids and no text; whatever needs text raises one clear line."""
+
+    chat_template = None
+    bos_token_id = None
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.eos_token_ids = generation_eos_ids(folder)
+
+    def _no_text(self) -> DecoderLMError:
+        return DecoderLMError(f"{self.folder} has no tokenizer.json, so decoderlm cannot turn text into ids; drive it "
+                              "with token ids (generate --prompt-ids 1,2,3) or copy the tokenizer files into it")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise self._no_text()
+
+    def decode(self, ids: list[int]) -> str:
+        raise self._no_text()
+
+    def get_vocab(self) -> dict[str, int]:
+        raise self._no_text()
 
 
 def generation_defaults(folder: str | Path) -> dict[str, Any]:
