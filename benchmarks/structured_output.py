@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import decoderlm
+from decoderlm import isa
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
@@ -80,7 +81,8 @@ def main() -> None:
     finally:
         engine.shutdown()
     medians = {k: statistics.median(v) for k, v in runs.items()}
-    result = {"model": DEFAULT_MODEL, "engine": "llguidance", "streams": args.streams, "tokens_per_stream": args.tokens,
+    result = {"model": DEFAULT_MODEL, "machine": isa.describe(), "torch": torch.__version__, "engine": "llguidance",
+              "streams": args.streams, "tokens_per_stream": args.tokens,
               "vocabulary_build_s": round(vocab_s, 3), "grammar_compile_ms": round(compile_ms, 2), "cached_grammar_ms": round(cached_ms, 3),
               "mask_ms_per_token": {"mean": round(1000 * statistics.mean(costs), 3), "p95": round(1000 * sorted(costs)[int(0.95 * len(costs))], 3)},
               "tokens_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
