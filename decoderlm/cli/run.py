@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import textwrap
 import typing
+from pathlib import Path
 
 from decoderlm.cli.common import (
     SAMPLING_EPILOG,
@@ -38,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", help="the text to continue")
     p.add_argument("--prompt-ids", metavar="IDS", help="token ids to continue instead of text, comma-separated (e.g. 1,2,3); "
                                                        "prints the generated ids the same way. Needs no tokenizer files")
+    g = p.add_argument_group("structured output (a grammar masks every token that would leave it; not with speculative decoding)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA_JSON", help="a JSON schema file: the continuation is compact JSON valid under it "
+                                                                     "(a keyword the engine cannot enforce is refused, never dropped)")
+    shape.add_argument("--grammar", metavar="LARK_FILE", help="a Lark grammar file as llguidance reads it (rule `start`, "
+                                                               "`%%json {schema}` for embedded JSON): the continuation is a sentence of it")
     add_model_flags(p, compile=True, quantize="auto")
     add_sampling_flags(p)
     add_speculative_flags(p)
@@ -106,9 +114,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DecoderLMError("give one of --prompt (text) and --prompt-ids (token ids, e.g. 1,2,3)")
     ids = None if args.prompt_ids is None else parse_ids(args.prompt_ids)
+    grammar = grammar_from_args(args)
     model, tok = load_model(args, text=ids is None)
     decoding = decoding_from_args(args, model, tok)
     params = sampling_params(args, model.generation_defaults, tok.eos_token_ids)
+    if grammar is not None:
+        from decoderlm.tools.grammar import GrammarError, Grammars
+
+        try:
+            processor = Grammars(tok).processor(grammar)
+        except GrammarError as e:
+            raise DecoderLMError(f"{'--json-schema' if args.json_schema else '--grammar'} {args.json_schema or args.grammar}: {e}") from None
+        params = dataclasses.replace(params, logits_processors=[*params.logits_processors, processor])
     if ids is not None:
         vocab = model.config.vocab_size
         outside = [t for t in ids if t >= vocab]
@@ -125,6 +142,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print_stream(tok, tokens, prompt)
     decoding.report()
     return 0
+
+
+def grammar_from_args(args: argparse.Namespace) -> str | None:
+    """The llguidance grammar --json-schema or --grammar asks for (None: neither), checked before the
+    model loads: a readable file, a JSON object for a schema, no speculative decoding, text prompts."""
+    path = args.json_schema or args.grammar
+    if path is None:
+        return None
+    flag = "--json-schema" if args.json_schema else "--grammar"
+    if args.draft_model is not None or args.prompt_lookup is not None:
+        raise DecoderLMError(f"{flag} cannot be combined with --draft-model or --prompt-lookup (speculative guesses would "
+                             "have to roll back the grammar); drop one of them")
+    if args.prompt_ids is not None:
+        raise DecoderLMError(f"{flag} needs the tokenizer's text of each token; give --prompt instead of --prompt-ids")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DecoderLMError(f"{flag} {path}: cannot read it ({' '.join(str(e).split())})") from None
+    from decoderlm.tools.grammar import GrammarError, json_schema_grammar, lark_grammar
+
+    if args.grammar:
+        return lark_grammar(text)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DecoderLMError(f"--json-schema {path}: not JSON ({e})") from None
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as e:
+        raise DecoderLMError(f"--json-schema {path}: {e}") from None
 
 
 def parse_ids(text: str) -> list[int]:

@@ -48,6 +48,11 @@ def json_schema_grammar(schema: dict | None) -> str:
     return _llguidance().LLMatcher.grammar_from_json_schema(dict(schema, **{"x-guidance": JSON_STYLE}))
 
 
+def lark_grammar(text: str) -> str:
+    """The grammar for a Lark grammar's text, as llguidance reads it (checked when compiled)."""
+    return _llguidance().LLMatcher.grammar_from_lark(text)
+
+
 def call_schema(tool: dict, argument_key: str = "arguments") -> dict:
     """One tool's call as a JSON object: its name, then arguments valid under its parameters."""
     fn = tool.get("function", tool)
@@ -117,7 +122,7 @@ def describe(messages: list[str]) -> str:
     if keys:
         names = ", ".join(k.strip().strip('"') for k in keys.group(1).split(","))
         return f"JSON schema keyword(s) {names} cannot be enforced; remove them from the schema"
-    return f"the schema cannot be enforced: {text[:300]}"
+    return f"the schema or grammar cannot be enforced: {text[:300]}"
 
 
 class GrammarProcessor:
