@@ -1,7 +1,8 @@
-"""`decoderlm generate --json-schema / --grammar` on the embedded SmolLM2."""
+"""`decoderlm generate --json-schema / --grammar` and `decoderlm chat --run-tools` on the embedded SmolLM2."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import jsonschema
@@ -45,3 +46,38 @@ def test_generate_json_schema_refusals_are_one_line(tmp_path, capsys, content, e
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
+
+TOOLS = [{"type": "function", "function": {"name": name, "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}} for name in ("get_weather", "get_time")]
+
+
+@pytest.fixture
+def tool_files(tmp_path, monkeypatch):
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    (tmp_path / "cli22_tools.py").write_text("def get_weather(city):\n    return f'21 C and sunny in {city}'\n\n"
+                                             "def get_time(city):\n    return {'city': city, 'time': '12:00'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return ["chat", "--tools", str(tmp_path / "tools.json"), "--tool-choice", "get_weather", "--temperature", "0", "--max-new-tokens", "24",
+            "--message", "What is the weather in Paris?"]
+
+
+def test_chat_runs_whitelisted_tools_and_answers(tool_files, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing to ask: the result comes from the function
+    assert cli.main([*tool_files, "--run-tools", "cli22_tools:get_weather,cli22_tools:get_time"]) == 0
+    call, result, *answer = capsys.readouterr().out.split("\n")
+    assert call == 'tool call: get_weather({"city": "Paris"})'
+    assert result == "result of get_weather: 21 C and sunny in Paris"
+    assert "".join(answer).strip()  # the model answered again after the result
+
+
+def test_chat_does_not_run_tools_off_the_whitelist(tool_files, capsys):
+    assert cli.main([*tool_files, "--run-tools", "cli22_tools:get_time"]) == 0
+    assert capsys.readouterr().out == 'tool call: get_weather({"city": "Paris"})\n(not run: get_weather is not in --run-tools)\n'
+
+
+@pytest.mark.parametrize("spec, message", [("cli22_tools", "takes module:function entries"), ("no_such_module_22:f", "cannot import no_such_module_22"),
+                                           ("cli22_tools:nope", "cli22_tools has no nope"), ("json:loads", "loads is not among the tools")])
+def test_chat_run_tools_refusals_are_one_line(tool_files, capsys, spec, message):
+    assert cli.main([*tool_files, "--run-tools", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -29,6 +29,7 @@ from decoderlm.sampling import SamplingParams
 from decoderlm.speculative import Decoding
 from decoderlm.tokenizer.chat import Message
 
+MAX_TOOL_ROUNDS = 8  # rounds of calls and results per user message, so a model that keeps calling stops
 HELP = "type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) quits"
 
 
@@ -42,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an image shown with --message, before its text (repeat for several); vision-language models only")
     p.add_argument("--tools", default=None, metavar="TOOLS_JSON",
                    help="a JSON file with OpenAI tool definitions; the model's calls are shown and their results asked for")
+    p.add_argument("--run-tools", default=None, metavar="MODULE:FUNCTION,...",
+                   help="with --tools: a whitelist of Python functions (importable from PYTHONPATH or the current folder, "
+                        "named as the tools are) that are called with the model's arguments, their results sent back "
+                        "automatically; a call to any other tool is shown and its result asked for (with --message: not run)")
     p.add_argument("--tool-choice", default="auto",
                    help="auto, required (a call is forced by a grammar), none, or a tool's name (that call is forced)")
     add_model_flags(p, compile=True, quantize="auto")
@@ -51,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.run_tools is not None and args.tools is None:
+        raise DecoderLMError("--run-tools goes with --tools: give the tool definitions as --tools tools.json")
     model, tok = load_model(args)
     source = model_source(args)
     if tok.chat_template is None:
@@ -136,9 +143,10 @@ def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int)
 
 
 def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message], params: SamplingParams) -> int:
-    """A conversation with tools: each reply's calls are printed as `name(arguments)`; interactively,
-    each call's result is read from stdin and the model answers again."""
-    from decoderlm.tools.chat import chat
+    """A conversation with tools: each reply's calls are printed as `name(arguments)`; a whitelisted
+    tool (--run-tools) is run, any other's result is read from stdin (interactively), and the model
+    answers again, for at most MAX_TOOL_ROUNDS rounds of calls per message."""
+    from decoderlm.tools.chat import chat, run_tool, tool_functions
 
     try:
         tools = json.loads(Path(args.tools).read_text(encoding="utf-8"))
@@ -151,6 +159,10 @@ def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message],
     choice = args.tool_choice if args.tool_choice in ("auto", "required", "none") else {"type": "function", "function": {"name": args.tool_choice}}
     if isinstance(choice, dict) and args.tool_choice not in names:
         raise DecoderLMError(f"--tool-choice {args.tool_choice!r} is not among the tools ({', '.join(names)})")
+    runners = tool_functions(args.run_tools) if args.run_tools else {}
+    unknown = [name for name in runners if name not in names]
+    if unknown:
+        raise DecoderLMError(f"--run-tools {unknown[0]} is not among the tools ({', '.join(names)}); name the function as its tool")
     history: list[Message] = list(system)
     lines = [args.message] if args.message is not None else iter(sys.stdin.readline, "")
     for line in lines:
@@ -158,17 +170,25 @@ def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message],
             break
         history.append({"role": "user", "content": line.rstrip("\n")})
         turn_choice = choice
-        while True:
+        for _ in range(MAX_TOOL_ROUNDS):
             answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
             history.append(answer.message())
             if answer.content:
                 print(answer.content, flush=True)
             for call in answer.tool_calls:
                 print(f"tool call: {call.name}({call.arguments})", flush=True)
-            if not answer.tool_calls or args.message is not None:
+            asked = [c.name for c in answer.tool_calls if c.name not in runners]
+            if not answer.tool_calls or (args.message is not None and asked):
+                if asked and runners:
+                    print(f"(not run: {', '.join(asked)} is not in --run-tools)", flush=True)
                 break
             for call in answer.tool_calls:
-                print(f"result of {call.name}> ", end="", flush=True)
-                history.append({"role": "tool", "tool_call_id": call.id, "content": sys.stdin.readline().rstrip("\n")})
+                if call.name in runners:
+                    result = run_tool(runners[call.name], call)
+                    print(f"result of {call.name}: {result}", flush=True)
+                else:
+                    print(f"result of {call.name}> ", end="", flush=True)
+                    result = sys.stdin.readline().rstrip("\n")
+                history.append({"role": "tool", "tool_call_id": call.id, "content": result})
             turn_choice = "auto"  # after the results, the model may answer in words
     return 0

@@ -7,7 +7,9 @@ forced), parse the calls — the server's path without HTTP.
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from decoderlm.errors import DecoderLMError
@@ -59,3 +61,33 @@ def chat(model, tokenizer, messages: list[dict], tools: list[dict] | None = None
     content, calls = get_parser(parser).parse(answer)
     calls = calls if parallel_tool_calls else calls[:1]
     return Reply(content, calls, "tool_calls" if calls and finish == "stop" else finish)
+
+
+def tool_functions(spec: str) -> dict[str, Callable]:
+    """The whitelist `module:function,module:function` → {function name: function}, each imported now
+    (the module from sys.path: installed, or the current directory)."""
+    functions = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        module, _, name = entry.partition(":")
+        if not module or not name:
+            raise DecoderLMError(f"--run-tools takes module:function entries separated by commas, got {entry!r}")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except ImportError as e:
+            raise DecoderLMError(f"--run-tools {entry}: cannot import {module} ({e}); put it on PYTHONPATH or in the current folder") from None
+        except AttributeError:
+            raise DecoderLMError(f"--run-tools {entry}: {module} has no {name}") from None
+        if not callable(fn):
+            raise DecoderLMError(f"--run-tools {entry}: {name} is not a function")
+        functions[name] = fn
+    return functions
+
+
+def run_tool(fn: Callable, call: ToolCall) -> str:
+    """Call `fn(**arguments)`; its result as the tool message's content (a string as is, else JSON).
+    An exception becomes the result (`error: ...`), so the model can see and answer it."""
+    try:
+        result = fn(**json.loads(call.arguments))
+    except Exception as e:  # a tool's failure is the model's to read, not the chat's to crash on
+        return f"error: {type(e).__name__}: {e}"
+    return result if isinstance(result, str) else json.dumps(result)
