@@ -518,3 +518,57 @@ def test_generate_honours_the_openai_penalties(model):
 def test_penalties_out_of_range_raise(bad):
     with pytest.raises(DecoderLMError, match="must be in"):
         SamplingParams(**bad)
+
+
+# ---- sliding windows: blocks behind the window go back to the pool ----
+
+
+@pytest.fixture(scope="module")
+def sliding():
+    return tiny_model(vocab_size=64, max_seq_len=96, sliding_window=8)  # every layer slides over 8 keys
+
+
+def used_per_step(engine: Engine) -> list[int]:
+    used = []
+    while engine.has_work():
+        engine.step()
+        used.append(engine.stats()["kv_blocks_used"])
+    return used
+
+
+def test_sliding_window_blocks_go_back_while_a_long_sequence_decodes(sliding):
+    engine = Engine(sliding, num_blocks=1 + 24, block_size=4)
+    prompt, params = list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=40)
+    stream = engine.add_request(prompt, params)
+    used = used_per_step(engine)
+    # The next query at position p sees p-7..p: at most 3 blocks of 4, plus the pending token's.
+    assert max(used[:-1]) <= 4 and any(b < a for a, b in zip(used, used[1:]))
+    assert tokens(list(stream)) == generate(sliding, prompt, params)
+    assert_pool_empty(engine)
+
+
+def test_a_mixed_model_keeps_every_block(sliding):
+    mixed = tiny_model(vocab_size=64, max_seq_len=96, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    engine = Engine(mixed, num_blocks=1 + 24, block_size=4)
+    prompt, params = list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=40)
+    stream = engine.add_request(prompt, params)
+    used = used_per_step(engine)
+    assert used[:-1] == sorted(used[:-1]) and used[-2] == 12  # 48 keys in blocks of 4: the full layer reads them all
+    assert tokens(list(stream)) == generate(mixed, prompt, params)
+
+
+def test_sliding_window_with_preemption_and_shared_prefixes_matches_generate(sliding):
+    # Blocks of 2: each sequence holds ~5 blocks while decoding, four of them overflow the 12-block pool.
+    engine = Engine(sliding, max_batch=4, num_blocks=1 + 12, block_size=2, prefill_chunk=8)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    batch = [p[:8] for p in prompts(4, shared=[5, 6, 7, 8])]  # prompt + new tokens fit the 24-slot pool
+    streams = [engine.add_request(p, params) for p in batch]
+    drain(engine)
+    assert engine.stats()["preemptions"] >= 1 and engine.stats()["prefix_cache_hits"] > 0
+    for p, s in zip(batch, streams):
+        assert tokens(list(s)) == generate(sliding, p, params)
+    assert_pool_empty(engine)
+    # The first prompt again: its head blocks, given back behind the window, are shared from the cache.
+    again = engine.add_request(batch[0], params)
+    drain(engine)
+    assert tokens(list(again)) == generate(sliding, batch[0], params)

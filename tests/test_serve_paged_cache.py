@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import KVCache
-from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache, block_hash
+from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache, block_hash, freeable_window
 
 
 def test_allocate_release_and_reference_counts():
@@ -117,3 +117,10 @@ def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, da
                 alone.append(model(torch.tensor([tokens[i][start : start + n]]), cache=kv).logits[0])
                 start += n
             torch.testing.assert_close(torch.cat(paged[i]), torch.cat(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_are_freeable_only_when_every_layer_slides_over_one_window():
+    assert freeable_window(tiny_config(sliding_window=8)) == 8  # Mistral-style: every layer
+    assert freeable_window(tiny_config(sliding_window=8, layer_types=["sliding_attention"] * 2)) == 8
+    assert freeable_window(tiny_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])) is None
+    assert freeable_window(tiny_config()) is None

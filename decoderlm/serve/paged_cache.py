@@ -7,6 +7,16 @@ sequence with the same prefix points its table at that block instead of computin
 (prefix caching). Reference counts say how many tables hold a block; a block nobody holds but whose
 content is known stays reusable in an LRU until the pool needs it back.
 
+Sliding windows: when every layer slides over the same window W (Mistral-style `sliding_window`, or
+`layer_types` all "sliding_attention"), the next query of a sequence, at position p = its computed
+length, sees no key at or before p − W, nor does any later one. A block whose last position is
+≤ p − W is then given back to the pool (`freeable_window`, `Scheduler`) and its table entry becomes
+NULL_BLOCK, so table index i still means positions i·block_size onwards; the mask hides those
+positions by their distance, whatever the null block holds. A given-back block keeps its name, so
+another prompt with that prefix may still share it; the sequence itself never reads it again (after
+a preemption it is recomputed from its tokens like any other). A model that mixes sliding and full
+layers keeps every block: a block holds all layers' keys, and its full layers still read it.
+
 `PagedCache` is the view of one forward: a batch of sequences of different lengths, each adding
 some new tokens, through the `decoderlm.model.cache.Cache` contract the model already writes through.
 """
@@ -25,6 +35,13 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import KEY_ALIGN, aligned, build_mask
 
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
+
+
+def freeable_window(config: ModelConfig) -> int | None:
+    """The window past which a sequence's blocks can be given back: every layer's, when all layers
+    slide over the same one; None when any layer sees the whole context."""
+    windows = config.windows
+    return windows[0] if len(windows) == 1 else None
 
 
 def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:

@@ -14,6 +14,12 @@ the path `generate` gives it when it reads the whole prompt alone, a prompt of m
 more is read in chunks of at least min_chunk tokens, at least that many of it are computed even when
 the prefix cache holds more, and the prefix cache shares blocks only between prompts on the same side
 of min_chunk and only blocks of prompt tokens (generated ones were computed one at a time).
+
+With `window` set (every layer sliding over it, see decoderlm.serve.paged_cache), each computed
+step gives back the leading blocks no later query can see, and the pool's free count grows back
+while a long sequence decodes. Admission still asks for blocks for all of a sequence's tokens (the
+prompt, or everything after a preemption), as prefill writes them before the oldest fall out of the
+window; so a sequence never outgrows what an empty pool can admit (Engine.max_len).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoderlm.sampling import SamplingParams
-from decoderlm.serve.paged_cache import BlockPool, block_hash
+from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, block_hash
 
 
 @dataclass(eq=False)
@@ -37,9 +43,10 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     logprobs: int | None = None
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # NULL_BLOCK for blocks given back behind the window
     block_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks, in table order
     num_computed: int = 0  # tokens whose keys/values are in the pool
+    num_dropped: int = 0  # leading blocks given back: no query can see them any more
 
     @property
     def num_generated(self) -> int:
@@ -60,8 +67,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1) -> None:
+    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1,
+                 window: int | None = None) -> None:
         self.pool, self.max_batch, self.prefill_chunk, self.prefix_caching = pool, max_batch, prefill_chunk, prefix_caching
+        self.window = window  # every layer's sliding window (None: some layer sees everything)
         self.min_chunk = min_chunk if min_chunk <= prefill_chunk else 1  # a chunk never exceeds prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
@@ -81,16 +90,24 @@ class Scheduler:
         return StepPlan(decode, self._chunks())
 
     def computed(self, seq: Sequence, n: int) -> None:
-        """n more tokens of seq are in the pool; name the blocks that just became full."""
+        """n more tokens of seq are in the pool; name the blocks that just became full, then give
+        back those that fell out of the window."""
         seq.num_computed += n
-        if not self.prefix_caching:
-            return
         bs = self.pool.block_size
-        computed = min(seq.num_computed, seq.prompt_len) if self.min_chunk > 1 else seq.num_computed
-        for i in range(len(seq.block_hashes), computed // bs):
-            h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs])
-            seq.block_hashes.append(h)
-            self.pool.register(seq.block_table[i], h)
+        if self.prefix_caching:
+            computed = min(seq.num_computed, seq.prompt_len) if self.min_chunk > 1 else seq.num_computed
+            for i in range(len(seq.block_hashes), computed // bs):
+                h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs])
+                seq.block_hashes.append(h)
+                if seq.block_table[i] != NULL_BLOCK:  # a given-back block is no longer this table's to name
+                    self.pool.register(seq.block_table[i], h)
+        if self.window is not None:
+            # The next query sits at position num_computed and sees no key at or before num_computed - window.
+            n_out = min((seq.num_computed - self.window + 1) // bs, len(seq.block_table))
+            for i in range(seq.num_dropped, n_out):
+                self.pool.release([seq.block_table[i]])
+                seq.block_table[i] = NULL_BLOCK
+            seq.num_dropped = max(seq.num_dropped, n_out)
 
     def remove(self, seq: Sequence) -> None:
         """seq is finished or aborted: it leaves the queues and its blocks go back at once."""
@@ -101,8 +118,8 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table[::-1])
-        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        self.pool.release([b for b in seq.block_table[::-1] if b != NULL_BLOCK])
+        seq.block_table, seq.block_hashes, seq.num_computed, seq.num_dropped = [], [], 0, 0
 
     def _admit(self) -> None:
         """Move waiting sequences into the batch while there is room and the pool holds their
