@@ -158,7 +158,7 @@ def softmax_demo() -> str:
 
 def plot_params(accs: list[Accounting], names: list[str], out: str | Path) -> Path:
     """One stacked bar per model: the share of parameters in each part, labelled with the totals."""
-    colors = dict(zip(GROUPS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
+    colors = dict(zip(GROUPS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3"), strict=True))
     fig = Figure(figsize=(10, 1.2 + 0.8 * len(accs)), layout="constrained")
     ax = fig.subplots()
     for row, acc in enumerate(accs):
