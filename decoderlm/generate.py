@@ -140,8 +140,10 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
             return step.new_cache(n_slots)
         return KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
 
-    cache = step.new_cache(n_slots) if step is not None and proposer is None and images is None else None
-    if cache is None:
+    if proposer is not None or images is not None:
+        step = None  # a proposer's multi-token checks and an image prompt run eagerly
+    cache = fresh_cache()
+    if cache is None:  # the compiled step is unavailable: eager
         step = None
         cache = fresh_cache()
     scaling = model.config.rope_scaling or {}
