@@ -4,24 +4,28 @@ Decoding one token reads every weight once and does two flops with it, so its sp
 bandwidth divided by the bytes of the weights: int8 reads 4x fewer bytes than fp32, int4 8x. The
 Linear weights are quantized (the MoE router, being tiny and decisive, is kept) and the token
 embedding is stored as int8 rows with one scale per 32 values; norms, attention and the KV cache keep
-the model's dtype. PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-multiply activations by the packed weights directly, and only in bf16 (their fp16 and fp32 paths
-are 20-30x slower in torch 2.13), so activations, scales and outputs of a quantized matmul are bf16.
-Where a kernel is missing (another device, an older torch) a layer dequantizes its weight for each
-call instead. That is also the fast way for many tokens at once (a prompt's prefill): the kernels
-dequantize again for every few rows, so from DENSE_TOKENS tokens per sequence on a packed layer
-dequantizes its weight once (exactly, rounded once to `dense_dtype()`) for a dense matmul.
+the model's dtype.
 
-The packed layout depends on the CPU level torch runs at (`Layout`: tiles of 64 rows on AVX-512, 32
+Where decoderlm's own kernels build (`decoderlm.kernels`: any x86-64 machine with a C compiler) a
+layer is a `BlockLinear`: llama.cpp's Q4_1 / Q8_0 blocks, a file's as they are (Q4_0 being Q4_1 with
+m = -8d), multiplied in fp32. Its result is the float path's up to the order of the sums, for one row
+or many, and the same for a row whatever else is in the batch.
+
+Elsewhere the layers run on PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+which are fast only in bf16 (their fp16 and fp32 paths are 20-30x slower in torch 2.13), so activations,
+scales and outputs of a quantized matmul are bf16. Where a kernel is missing (another device, an older
+torch) a layer dequantizes its weight for each call instead. That is also the fast way for many tokens at
+once (a prompt's prefill): the kernels dequantize again for every few rows, so from DENSE_TOKENS tokens
+per sequence on a packed layer dequantizes its weight once (exactly, rounded once to `dense_dtype()`) for
+a dense matmul.
+
+torch's packed layout depends on the CPU level torch runs at (`Layout`: tiles of 64 rows on AVX-512, 32
 on AVX2 and plain x86-64); it is detected once per process, and everything that reads packed bytes
-(the dense path, the tied embedding, stacking layers) goes through it.
-
-int8 weights have Q8_0's layout (a scale per 32 inputs) and run through the int4 kernel as two
-4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per row) is left for shapes the int4
-layout cannot take. Weights a GGUF file already stores as Q4_0 / Q4_1 / Q8_0 blocks (`Blocks`) are
-used as they are, so computing with them is exact up to bf16. The LM head is 8-bit in both modes, and
-its logits leave it in fp32, the best candidates of each row computed exactly (`rescore`) with the
-weight's own scales, kept in fp32 for it (`make_exact`).
+(the dense path, the tied embedding, stacking layers) goes through it. int8 weights have Q8_0's layout
+and run through the int4 kernel as two 4-bit halves (`Int8GroupLinear`); the int8 kernel (one scale per
+row) is left for shapes the int4 layout cannot take. The LM head is 8-bit in both modes, and its
+logits leave it in fp32, the best candidates of each row computed exactly (`rescore`) with the weight's
+own scales, kept in fp32 for it (`make_exact`).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoderlm import kernels
 from decoderlm.errors import DecoderLMError
 
 MODES = ("int8", "int4")
@@ -249,12 +254,12 @@ def dense_dtype() -> torch.dtype:
 
 @cache
 def kernels_vectorized() -> bool:
-    """Whether torch's packed int4 kernel (which int4 and int8 layers run on) is vectorized here. On an
-    x86-64 CPU below AVX2 (ATen's "default" level) it is scalar code, far slower than fp32's BLAS, so
-    `--quantize auto` keeps such a machine on the float path."""
+    """Whether the quantized layers' kernels are vectorized here: decoderlm's always are; torch's packed
+    int4 kernel is scalar code on an x86-64 CPU below AVX2 (ATen's "default" level), far slower than
+    fp32's BLAS, so without decoderlm's kernels `--quantize auto` keeps such a machine on the float path."""
     from decoderlm import isa
 
-    return not (isa.X86 and isa.current() == "default")
+    return kernels.available() or not (isa.X86 and isa.current() == "default")
 
 
 DENSE_TOKENS = 64  # from this many tokens per sequence in one forward (a prefill) packed layers multiply densely
@@ -278,6 +283,81 @@ def rescore(y: torch.Tensor, h: torch.Tensor, weight_rows: Callable[[torch.Tenso
     if bias is not None:
         exact = exact + bias.float()[top]
     return y.scatter(-1, top, exact)
+
+
+def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights (out, in) on a 4-bit grid per 32 inputs, w ≈ q·scale + low: (q (out, in) 0..15, scale,
+    low (out, in/32) fp32). Each group's [min, max] is split into 15 steps, the range shrunk where that
+    lowers the group's squared error (a small search: outliers otherwise widen every step)."""
+    N, K = w.shape
+    groups = w.detach().float().reshape(N, K // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)  # (N, K/GROUP)
+    best_err = q = scale = low = None
+    for shrink in (1.0, 0.95, 0.9, 0.85, 0.8):
+        mid, half = (hi + lo) / 2, (hi - lo) / 2 * shrink
+        s, z = (2 * half / 15).clamp(min=1e-12), mid - half
+        qs = torch.round((groups - z[..., None]) / s[..., None]).clamp(0, 15)
+        err = (qs * s[..., None] + z[..., None] - groups).square().sum(-1)  # (N, K/GROUP)
+        if best_err is None:
+            best_err, q, scale, low = err, qs, s, z
+            continue
+        better = err < best_err
+        best_err, scale, low = torch.where(better, err, best_err), torch.where(better, s, scale), torch.where(better, z, low)
+        q = torch.where(better[..., None], qs, q)
+    return q.reshape(N, K).to(torch.uint8), scale, low
+
+
+class BlockLinear(nn.Module):
+    """y = x · Wᵀ + b with W kept in llama.cpp's blocks of 32 inputs, Q4_1 (4-bit q, a scale d and an
+    offset m per block: w = q·d + m) or Q8_0 (int8 q and d), multiplied by decoderlm's own kernels
+    (`decoderlm.kernels`) in fp32: the result is the float path's up to the order of the sums, and a
+    row's result does not depend on the other rows of the batch. As the LM head (`exact`) it returns
+    its fp32 logits as they are."""
+
+    exact = False  # set on the LM head: fp32 logits whatever the model's dtype
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: nn.Parameter | None = None) -> None:
+        """q (out, in): 4-bit values 0..15 (uint8) with offsets m, or int8 values with m None; d, m (out, in/32),
+        kept in fp16 like llama.cpp's blocks (a file's values exactly; float weights' scales rounded once)."""
+        super().__init__()
+        if m is not None:  # two values a byte: inputs j and 16 + j of each block in the low and high nibbles of byte j
+            halves = q.to(torch.uint8).view(q.shape[0], -1, 2, GROUP // 2)
+            q = (halves[:, :, 0] | (halves[:, :, 1] << 4)).flatten(1)
+        self.register_buffer("blocks", q.contiguous())  # (out, in/2) uint8 or (out, in) int8
+        self.register_buffer("block_scales", d.half().contiguous())  # (out, in/32), fp16 as in a file (exact for one)
+        self.register_buffer("block_offsets", None if m is None else m.half().contiguous())  # (out, in/32)
+        self.bias = bias
+
+    @classmethod
+    def from_blocks(cls, b: Blocks, bias: nn.Parameter | None = None) -> BlockLinear:
+        """A file's blocks as they are (Q4_0's symmetric grid is Q4_1's with m = -8d)."""
+        return cls(b.q, b.d, b.m, bias)
+
+    @classmethod
+    def from_weight(cls, w: Weight, bits: int, bias: nn.Parameter | None = None) -> BlockLinear:
+        """Float weights on the 4-bit grid of `int4_grid`, or Q8_0's (`q8_blocks`)."""
+        return cls(*int4_grid(dequantize(w)), bias) if bits == 4 else cls.from_blocks(q8_blocks(w), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
+        args = (self.blocks, self.block_scales, self.block_offsets)
+        y = kernels.block_matmul(h, *args) if torch.compiler.is_compiling() else kernels.matmul(h, *args)
+        y = y.view(*x.shape[:-1], -1)  # (..., out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.exact else y.to(x.dtype)
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    def q_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 values q (..., in) of output rows `ids` (...) of a Q8_0 layer."""
+        return self.blocks[ids]
+
+    def row_scales(self, ids: torch.Tensor) -> torch.Tensor:
+        """The scales d (..., in/32), fp32, of output rows `ids` (...)."""
+        return self.block_scales[ids].float()
 
 
 class Int4Linear(nn.Module):
@@ -314,24 +394,8 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, bias: nn.Parameter | None = None) -> Int4Linear:
-        """Each group's [min, max] split into 15 steps, the range shrunk where that lowers the
-        group's squared error (a small search: outliers otherwise widen every step)."""
-        N, K = w.shape
-        groups = w.detach().float().reshape(N, K // GROUP, GROUP)
-        lo, hi = groups.amin(-1), groups.amax(-1)  # (N, K/GROUP)
-        best_err = q = scale = low = None
-        for shrink in (1.0, 0.95, 0.9, 0.85, 0.8):
-            mid, half = (hi + lo) / 2, (hi - lo) / 2 * shrink
-            s, z = (2 * half / 15).clamp(min=1e-12), mid - half
-            qs = torch.round((groups - z[..., None]) / s[..., None]).clamp(0, 15)
-            err = (qs * s[..., None] + z[..., None] - groups).square().sum(-1)  # (N, K/GROUP)
-            if best_err is None:
-                best_err, q, scale, low = err, qs, s, z
-                continue
-            better = err < best_err
-            best_err, scale, low = torch.where(better, err, best_err), torch.where(better, s, scale), torch.where(better, z, low)
-            q = torch.where(better[..., None], qs, q)
-        return cls(q.reshape(N, K), scale, low + 8 * scale, bias)  # the kernel's (q - 8)·scale + zero is low + q·scale
+        q, scale, low = int4_grid(w)
+        return cls(q, scale, low + 8 * scale, bias)  # the kernel's (q - 8)·scale + zero is low + q·scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])  # (N, in)
@@ -449,10 +513,11 @@ class Int8Embedding(nn.Module):
     def __init__(self, w: Weight, dtype: torch.dtype, head: nn.Module | None = None) -> None:
         super().__init__()
         b = w if isinstance(w, Blocks) and w.bits == 8 else q8_blocks(dequantize(w))
-        shared = isinstance(head, Int8GroupLinear) and (not head.fast or layout() is not None)
+        shared = (isinstance(head, Int8GroupLinear) and (not head.fast or layout() is not None)) or \
+            (isinstance(head, BlockLinear) and head.block_offsets is None)
         self.tied = (head,) if shared else ()  # a tuple: the head stays the model's module, not a second child
         self.register_buffer("qweight", None if shared else b.q)  # (V, D) int8
-        exact_head = shared and head.exact_scales is not None  # the head keeps these very scales in fp32
+        exact_head = shared and (isinstance(head, BlockLinear) or head.exact_scales is not None)  # the head keeps these very scales in fp32
         self.register_buffer("scales", None if exact_head else b.d.float())  # (V, D/32)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = b.q.shape
@@ -475,6 +540,12 @@ def quantized_linear(w: Weight, mode: str, bias: nn.Parameter | None = None) -> 
     per row, and faster through the int4 kernel). Shapes the int4 layout cannot take: int8 per row.
     The LM head's layer returns fp32 logits (`rescore`)."""
     exact = mode == "q8"
+    if kernels.available() and w.shape[1] % GROUP == 0:
+        four = mode == "int4" or (exact and isinstance(w, Blocks) and w.bits == 4)
+        layer = BlockLinear.from_blocks(w, bias) if isinstance(w, Blocks) and w.bits == (4 if four else 8) else \
+            BlockLinear.from_weight(w, 4 if four else 8, bias)
+        layer.exact = exact
+        return layer
     if not int4_fits(tuple(w.shape)):
         layer = Int8Linear.from_weight(w, bias)
         layer.exact = exact
@@ -565,7 +636,7 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 # Stacking quantized layers, for decoderlm.model.fuse: the dimension of each tensor that runs over output rows
 # (packed int4 rows stack exactly at tile boundaries).
-ROW_DIM = {"qweight": 0, "scale": 0, "scales_zeros": 1, "bias": 0}
+ROW_DIM = {"qweight": 0, "scale": 0, "scales_zeros": 1, "bias": 0, "blocks": 0, "block_scales": 0, "block_offsets": 0}
 
 
 def concat(layers: list[nn.Module]) -> nn.Module | None:

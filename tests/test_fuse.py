@@ -23,7 +23,8 @@ from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections, unfuse_projections
 from decoderlm.model.norm import RMSNorm
 from decoderlm.model.rope import apply_rope_, inverse_frequencies, rope_cos_sin
-from decoderlm.quantize import Int4Linear, Int8GroupLinear, Int8Linear, concat, kernel, layout, quantize
+from decoderlm import kernels
+from decoderlm.quantize import BlockLinear, Int4Linear, Int8GroupLinear, Int8Linear, concat, kernel, layout, quantize
 
 pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
 
@@ -92,10 +93,11 @@ def test_int8_layers_fuse_after_quantizing(folder):
     unfused = load(folder, quantize="int8", fuse=False)[0]
     parts = [[a.q_proj, a.k_proj, a.v_proj] for a in (layer.self_attn for layer in unfused.layers)]
     parts += [[e.gate_proj, e.up_proj] for layer in unfused.layers for e in mlps(layer) if e.gated]
-    # Per-row int8 stacks anywhere; group int8 (packed as int4) only where each part but the last fills whole tiles.
-    expected = sum(all(isinstance(m, Int8Linear) or m.qweight.shape[0] % layout().tile == 0 for m in p[:-1]) for p in parts)
+    # Per-row int8 and blocks stack anywhere; group int8 packed as torch's int4 only where each part but the last fills whole tiles.
+    expected = sum(all(isinstance(m, (Int8Linear, BlockLinear)) or m.qweight.shape[0] % layout().tile == 0 for m in p[:-1]) for p in parts)
     fused = fuse_projections(unfused)
-    assert len(fused_layers(fused)) == expected and all(isinstance(m, (Int8Linear, Int8GroupLinear)) for m in fused_layers(fused))
+    assert len(fused_layers(fused)) == expected
+    assert all(isinstance(m, (Int8Linear, Int8GroupLinear, BlockLinear)) for m in fused_layers(fused))
     ids = prompt_ids(14)
     torch.testing.assert_close(logits(fused, ids), logits(plain, ids), atol=TOL, rtol=TOL)
     assert_same_state(fused, plain)
@@ -143,7 +145,9 @@ def tiled_model() -> Transformer:
     return Transformer(config).eval()
 
 
-def test_int4_layers_stack_when_their_rows_fill_tiles():
+def test_int4_layers_stack_when_their_rows_fill_tiles(monkeypatch):
+    """torch's packed int4 layers (where decoderlm's kernels cannot be built)."""
+    monkeypatch.setattr(kernels, "available", lambda: False)
     plain = quantize(tiled_model(), "int4")
     fused = fuse_projections(quantize(tiled_model(), "int4"))
     assert all(isinstance(m, Int4Linear) for m in fused_layers(fused)) and len(fused_layers(fused)) == 4

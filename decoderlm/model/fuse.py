@@ -83,7 +83,7 @@ def stack_rows(layers: list[nn.Module]) -> nn.Module | None:
     different kinds (a part int8 where int4 did not fit), other kinds (LoRA wrappers), or packed int4
     rows that do not stack."""
     kind = type(layers[0])
-    if any(type(layer) is not kind for layer in layers) or kind not in (nn.Linear, quantize.Int8Linear, quantize.Int4Linear, quantize.Int8GroupLinear):
+    if any(type(layer) is not kind for layer in layers) or kind not in (nn.Linear, quantize.Int8Linear, quantize.Int4Linear, quantize.Int8GroupLinear, quantize.BlockLinear):
         return None
     if kind is not nn.Linear:
         return quantize.concat(layers)
@@ -101,7 +101,7 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool
 
 
 def out_rows(layer: nn.Module) -> int:
-    return layer.out_features if isinstance(layer, nn.Linear) else layer.qweight.shape[0]
+    return layer.out_features if isinstance(layer, (nn.Linear, quantize.BlockLinear)) else layer.qweight.shape[0]
 
 
 def _split_state(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any, *,

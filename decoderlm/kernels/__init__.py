@@ -1,0 +1,115 @@
+"""decoderlm's own CPU kernels: matmuls over llama.cpp's Q4_1 / Q8_0 blocks with fp32 activations.
+
+A quantized layer reads each weight once per token, so its speed is the bytes it reads; what it
+computes with them decides its answers. torch's packed int4 kernel is fast only in bf16 (activations,
+scales and outputs rounded to 8 bits of mantissa) and its result for a row depends on how many rows
+share the call. These kernels (`blocks.c`) unpack each block of 32 4- or 8-bit values to fp32 once,
+multiply it with every row of fp32 activations and sum in fp32: the result is the float path's up to
+the order of the sums, and a row's result never depends on the others.
+
+`blocks.c` is compiled on first use with the machine's C compiler, once for each instruction set
+(AVX-512, AVX2, SSE4.1), into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`);
+the variant that runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs
+the AVX2 code. Without a compiler, on another architecture, or with `DECODERLM_KERNELS=off`,
+`available()` is False and the layers use torch's kernels instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from decoderlm import isa
+
+SOURCE = Path(__file__).with_name("blocks.c")
+# level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
+VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
+            "default": (4, ["-msse4.1"])}
+FLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off"]  # no contraction: a tile's every product is rounded as in every other
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DECODERLM_CACHE") or Path.home() / ".cache" / "decoderlm")
+
+
+def build(out: Path) -> None:
+    """Compile blocks.c for every level in VARIANTS and link them into the shared library `out`."""
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = []
+        for level, (width, flags) in VARIANTS.items():
+            obj = Path(tmp) / f"{level}.o"
+            subprocess.run([cc, *FLAGS, *flags, f"-DVL={width}", f"-DNAME={level}", "-c", str(SOURCE), "-o", str(obj)],
+                           check=True, capture_output=True, text=True)
+            objects.append(str(obj))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_suffix(f".{os.getpid()}.tmp")  # linked beside `out`, then renamed: processes may race
+        subprocess.run([cc, "-shared", "-fopenmp", *objects, "-o", str(part)], check=True, capture_output=True, text=True)
+        os.replace(part, out)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use, then cached on disk), or None where they cannot run here."""
+    if os.environ.get("DECODERLM_KERNELS", "on").lower() in ("0", "off", "no") or not isa.X86 or level() is None:
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((VARIANTS, FLAGS, os.environ.get("CC"))).encode()).hexdigest()[:16]
+    path = cache_dir() / f"blocks-{key}.so"
+    try:
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one the kernels share
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("decoderlm's CPU kernels could not be built (%s); using torch's kernels", " ".join(detail.split())[:200])
+        return None
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_void_p]
+    for name in VARIANTS:
+        for kind in ("q4", "q8"):
+            fn = getattr(lib, f"{kind}_matmul_{name}")
+            fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def level() -> str | None:
+    """The variant to run: the level torch runs at (SSE4.1 for its plain one, where the CPU has it)."""
+    now = isa.current()
+    if now == "default":
+        return "default" if "sse4_1" in isa.cpuinfo()[1] else None
+    return now if now in VARIANTS else None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) fp32 · Wᵀ → (M, N) fp32, W given as blocks: Q4_1 (q (N, K/2) uint8 with inputs j and 16 + j
+    of a block in the low and high nibbles of its byte j, scales d and offsets m (N, K/32) fp16) or Q8_0
+    (q (N, K) int8, d, m None)."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, q.shape[0], dtype=torch.float32)
+    fn = getattr(library(), f"{'q8' if m is None else 'q4'}_matmul_{level()}")
+    fn(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
+    return y
+
+
+@torch.library.custom_op("decoderlm::block_matmul", mutates_args=())
+def block_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """`matmul` as an operator torch.compile can call (eager code calls `matmul` directly: no dispatch cost)."""
+    return matmul(x, q, d, m)
+
+
+@block_matmul.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)

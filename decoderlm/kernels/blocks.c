@@ -1,0 +1,162 @@
+/* y = x · Wᵀ for W stored in llama.cpp's blocks of 32 inputs, with fp32 activations and fp32 sums.
+ *
+ * Q4_1: each block of a row has 16 bytes of 4-bit values q (byte j: input j in the low nibble, input
+ * 16 + j in the high one), a scale d and an offset m (fp16, as in the file), w = q·d + m. Then
+ *     x·w over the block = d · Σ x_i q_i + m · Σ x_i,
+ * so the inner loop multiplies x by the small integers q (exact in fp32) and the scales come in once per
+ * block. Q8_0: 32 signed bytes and a scale, w = q·d.
+ *
+ * The weights are read once per call however many rows x has: each block is unpacked to floats once and
+ * used by every row of x. Every (row, output) pair is summed by the same sequence of operations whatever
+ * the number of rows, so a row's result never depends on what else is in the batch.
+ *
+ * This file is compiled once per instruction set with VL = floats per vector (16: AVX-512, 8: AVX2,
+ * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NV (32 / VL)   /* vectors per block */
+#define NR 4   /* outputs at a time (their sums are independent chains) */
+#define MR 4   /* rows of x at a time (each unpacked block serves all of them) */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+#include <immintrin.h>
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+
+static inline float hsum(vf v) {  /* a fixed order: pairwise halves */
+    float a[VL];
+    memcpy(a, &v, sizeof a);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+
+/* The conversions GCC does not vectorize by itself, and a·b + c rounded once where the ISA has FMA (the
+ * file is compiled with -ffp-contract=off, so every other product is rounded on its own: the same code
+ * then gives the same bits in every tile). */
+#if VL == 16
+static inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void u8x16(__m128i v, vf *w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline void i8x32(const int8_t *p, vf *w) {
+    for (int i = 0; i < 2; i++) w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
+}
+#elif VL == 8
+static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void u8x16(__m128i v, vf *w) {
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+static inline void i8x32(const int8_t *p, vf *w) {
+    for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+}
+#else
+static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+static inline void u8x16(__m128i v, vf *w) {
+    w[0] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(v));
+    w[1] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_srli_si128(v, 4)));
+    w[2] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    w[3] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_srli_si128(v, 12)));
+}
+static inline void i8x32(const int8_t *p, vf *w) {
+    for (int i = 0; i < 8; i++) {
+        int32_t four;
+        memcpy(&four, p + 4 * i, 4);
+        w[i] = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+    }
+}
+#endif
+
+/* The 32 values of a Q4_1 block as NV float vectors, inputs in order. */
+static inline void unpack_q4(const uint8_t *p, vf w[NV]) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    u8x16(_mm_and_si128(raw, low), w);
+    u8x16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), w + NV / 2);
+}
+
+static inline void unpack_q8(const int8_t *p, vf w[NV]) { i8x32(p, w); }
+
+/* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and xs start at the tile's first row): y[r][n].
+ * xs holds the block sums of x (Q4_1's offsets). Every size is a compile-time constant, so the unpacked
+ * weights and the sums stay in registers. */
+#define TILE(KIND, MRC, NRC)                                                                              \
+static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, const float *xs, int64_t K,   \
+        const void *q, const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {          \
+    const int64_t B = K / 32;                                                                             \
+    vf acc[MRC][NRC];                                                                                     \
+    float macc[MRC][NRC];                                                                                 \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NRC; n++) { acc[r][n] = (vf){0}; macc[r][n] = 0.f; }                          \
+    for (int64_t b = 0; b < B; b++) {                                                                     \
+        vf w[NRC][NV];                                                                                    \
+        for (int n = 0; n < NRC; n++) UNPACK_##KIND(q, n0 + n, b, K, w[n]);                               \
+        for (int r = 0; r < MRC; r++) {                                                                   \
+            vf xv[NV];                                                                                    \
+            for (int i = 0; i < NV; i++) xv[i] = loadf(x + r * K + b * 32 + i * VL);                      \
+            for (int n = 0; n < NRC; n++) {                                                               \
+                vf t = w[n][0] * xv[0];                                                                   \
+                for (int i = 1; i < NV; i++) t = fmadd(w[n][i], xv[i], t);                                \
+                acc[r][n] = fmadd(t, (vf){0} + (float)d[(n0 + n) * B + b], acc[r][n]);                    \
+                OFFSET_##KIND(macc[r][n], m, (n0 + n) * B + b, xs[r * B + b]);                            \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]) + macc[r][n];                   \
+}
+
+#define UNPACK_q4(q, row, b, K, w) unpack_q4((const uint8_t *)(q) + (row) * ((K) / 2) + (b) * 16, w)
+#define UNPACK_q8(q, row, b, K, w) unpack_q8((const int8_t *)(q) + (row) * (K) + (b) * 32, w)
+#define OFFSET_q4(acc, m, i, s) ((acc) += (float)(m)[i] * (s))
+#define OFFSET_q8(acc, m, i, s) ((void)0)
+
+/* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
+#define COLUMNS(KIND, NRC)                                                                                \
+TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)                               \
+static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, const float *xs, int64_t M, int64_t K,    \
+        const void *q, const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {          \
+    const int64_t B = K / 32;                                                                             \
+    for (int64_t r = 0; r < M; r += MR) {                                                                 \
+        const float *xr = x + r * K, *xsr = xs ? xs + r * B : NULL;                                       \
+        float *yr = y + r * N;                                                                            \
+        switch (M - r < MR ? (int)(M - r) : MR) {                                                         \
+        case 1: CAT(tile_##KIND##_1_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
+        case 2: CAT(tile_##KIND##_2_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
+        case 3: CAT(tile_##KIND##_3_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
+        default: CAT(tile_##KIND##_4_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+
+/* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
+ * tile one output at a time: the same operations per output either way). */
+#define MATMUL(KIND)                                                                                      \
+COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                                        \
+void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
+                             const _Float16 *m, int64_t N, float *y) {                                   \
+    const int64_t B = K / 32;                                                                             \
+    float *xs = NULL;                                                                                     \
+    if (m) {                                                                                              \
+        xs = malloc(sizeof(float) * (M * B > 0 ? M * B : 1));                                             \
+        for (int64_t i = 0; i < M * B; i++) {                                                             \
+            vf s = loadf(x + i * 32);                                                                     \
+            for (int j = 1; j < NV; j++) s += loadf(x + i * 32 + j * VL);                                 \
+            xs[i] = hsum(s);                                                                              \
+        }                                                                                                 \
+    }                                                                                                     \
+    const int64_t tiles = N / NR;                                                                         \
+    _Pragma("omp parallel for schedule(static)")                                                          \
+    for (int64_t t = 0; t <= tiles; t++) {                                                                \
+        if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, xs, M, K, q, d, m, t * NR, y, N);              \
+        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, xs, M, K, q, d, m, n, y, N); \
+    }                                                                                                     \
+    free(xs);                                                                                             \
+}
+
+MATMUL(q4)
+MATMUL(q8)
