@@ -10,9 +10,11 @@ The variables are read once, when torch loads: a level is chosen per process, ne
 from __future__ import annotations
 
 import os
+import getpass
 import platform
 import subprocess
 import sys
+import tempfile
 from functools import cache
 
 import torch
@@ -81,6 +83,9 @@ def env(level: str, base: dict[str, str] | None = None) -> dict[str, str]:
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         out.pop(name, None)
     out["ATEN_CPU_CAPABILITY"] = level
+    # inductor's caches do not key their generated code by the vector width: code written for AVX2 (8 floats
+    # a vector) and run at AVX-512 (16) writes past its buffers, so each level keeps its own cache.
+    out["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{level}")
     if level in _ONEDNN:
         out["ONEDNN_MAX_CPU_ISA"] = _ONEDNN[level]
         out["MKL_ENABLE_INSTRUCTIONS"] = _MKL[level]

@@ -311,8 +311,10 @@ class BlockLinear(nn.Module):
     """y = x · Wᵀ + b with W kept in llama.cpp's blocks of 32 inputs, Q4_1 (4-bit q, a scale d and an
     offset m per block: w = q·d + m) or Q8_0 (int8 q and d), multiplied by decoderlm's own kernels
     (`decoderlm.kernels`) in fp32: the result is the float path's up to the order of the sums, and a
-    row's result does not depend on the other rows of the batch. As the LM head (`exact`) it returns
-    its fp32 logits as they are."""
+    row's result does not depend on the other rows of the batch. From DENSE_TOKENS tokens per sequence
+    (a prefill) the weight is dequantized to fp32 once for a BLAS matmul, the float path's own numbers
+    (the kernel's cost grows with the rows; BLAS is faster from a few dozen). As the LM head (`exact`)
+    it returns its fp32 logits as they are."""
 
     exact = False  # set on the LM head: fp32 logits whatever the model's dtype
 
@@ -341,7 +343,11 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
         args = (self.blocks, self.block_scales, self.block_offsets)
-        y = kernels.block_matmul(h, *args) if torch.compiler.is_compiling() else kernels.matmul(h, *args)
+        compiling = torch.compiler.is_compiling()
+        if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
+            y = h @ (kernels.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
+        else:
+            y = kernels.block_matmul(h, *args) if compiling else kernels.matmul(h, *args)
         y = y.view(*x.shape[:-1], -1)  # (..., out)
         if self.bias is not None:
             y = y + self.bias

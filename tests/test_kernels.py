@@ -125,3 +125,17 @@ def test_tied_embedding_reads_the_heads_blocks(smollm2):
     rows = (quant.lm_head.blocks[ids].float().view(3, -1, 32) * quant.lm_head.block_scales[ids][..., None]).flatten(1)
     assert torch.equal(emb(ids), rows)
 
+
+
+@pytest.mark.parametrize("kind", QTYPES)
+def test_a_prefill_multiplies_by_the_float_paths_own_weight(kind):
+    """From DENSE_TOKENS tokens per sequence the layer dequantizes once (bit for bit the float path's
+    weight) and multiplies with BLAS: exactly F.linear with the file's dequantized weight."""
+    torch.manual_seed(7)
+    b = file_blocks(torch.randn(40, 96) * 0.05, kind)
+    layer = q.BlockLinear.from_blocks(b)
+    assert torch.equal(kernels.dequantize(layer.blocks, layer.block_scales, layer.block_offsets), b.dequantize())
+    x = torch.randn(2, q.DENSE_TOKENS, 96)
+    assert torch.equal(layer(x), x @ b.dequantize().T)
+    few = x[:, : q.DENSE_TOKENS - 1]
+    assert torch.equal(layer(few), torch.stack([kernels.matmul(s, layer.blocks, layer.block_scales, layer.block_offsets) for s in few]))

@@ -77,6 +77,8 @@ def library() -> ctypes.CDLL | None:
         for kind in ("q4", "q8"):
             fn = getattr(lib, f"{kind}_matmul_{name}")
             fn.argtypes, fn.restype = args, None
+            fn = getattr(lib, f"{kind}_dequantize_{name}")
+            fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p], None
     return lib
 
 
@@ -104,6 +106,15 @@ def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | 
     return y
 
 
+def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 weight (N, K) of blocks given as to `matmul`: q·d (+ m), rounded as the float path rounds it."""
+    N, K = q.shape[0], d.shape[1] * 32
+    w = torch.empty(N, K, dtype=torch.float32)
+    fn = getattr(library(), f"{'q8' if m is None else 'q4'}_dequantize_{level()}")
+    fn(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), N, K, w.data_ptr())
+    return w
+
+
 @torch.library.custom_op("decoderlm::block_matmul", mutates_args=())
 def block_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """`matmul` as an operator torch.compile can call (eager code calls `matmul` directly: no dispatch cost)."""
@@ -113,3 +124,14 @@ def block_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Ten
 @block_matmul.register_fake
 def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("decoderlm::block_dequantize", mutates_args=())
+def block_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """`dequantize` as an operator torch.compile can call."""
+    return dequantize(q, d, m)
+
+
+@block_dequantize.register_fake
+def _(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    return d.new_empty(q.shape[0], d.shape[1] * 32, dtype=torch.float32)

@@ -160,3 +160,26 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
 
 MATMUL(q4)
 MATMUL(q8)
+
+/* The fp32 weight (N, K) of the blocks: w = q·d + m, the product rounded, then the sum (as the float
+ * path dequantizes a file's blocks, so a dense matmul with it is the float path's). */
+#define DEQUANTIZE(KIND)                                                                                  \
+void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float16 *m, int64_t N,       \
+                                 int64_t K, float *w) {                                                  \
+    const int64_t B = K / 32;                                                                             \
+    _Pragma("omp parallel for schedule(static)")                                                          \
+    for (int64_t n = 0; n < N; n++)                                                                       \
+        for (int64_t b = 0; b < B; b++) {                                                                 \
+            vf v[NV];                                                                                     \
+            UNPACK_##KIND(q, n, b, K, v);                                                                 \
+            const vf scale = (vf){0} + (float)d[n * B + b], offset = (vf){0} + (m ? (float)m[n * B + b] : 0.f); \
+            for (int i = 0; i < NV; i++) {                                                                \
+                vf t = v[i] * scale;                                                                      \
+                if (m) t = t + offset;                                                                    \
+                memcpy(w + n * K + b * 32 + i * VL, &t, sizeof t);                                        \
+            }                                                                                             \
+        }                                                                                                 \
+}
+
+DEQUANTIZE(q4)
+DEQUANTIZE(q8)

@@ -22,7 +22,7 @@ import torch
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
-from decoderlm.quantize import DENSE_TOKENS, Int4Linear
+from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
 from decoderlm.serve.paged_cache import BlockPool, PagedCache, freeable_window
 from decoderlm.serve.scheduler import Scheduler, Sequence
@@ -138,7 +138,7 @@ class Engine:
                 raise DecoderLMError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens; give more memory")
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
         # Packed quantized layers compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
-        two_paths = any(isinstance(m, Int4Linear) for m in model.modules())
+        two_paths = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.modules())
         self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1,
                                    window=freeable_window(cfg))
         # A sequence may grow while its next token has a position and a slot to go to.
