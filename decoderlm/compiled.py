@@ -33,7 +33,7 @@ from decoderlm.model import Transformer
 
 MIN_BUCKET = 256
 # Code the compiled graph is made of: editing any of it must not reuse an old package.
-SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py")
+SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py", "kernels")
 
 
 def cache_dir() -> Path:
@@ -87,7 +87,7 @@ def cache_key(model: Transformer, max_len: int) -> str:
     h = hashlib.sha256()
     root = Path(decoderlm.__file__).parent
     for name in SOURCES:
-        for path in sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]:
+        for path in sorted(p for p in (root / name).rglob("*") if p.suffix in (".py", ".c")) if (root / name).is_dir() else [root / name]:
             h.update(path.read_bytes())
     # Inductor writes the thread count into its CPU kernels, so --threads picks a package too.
     h.update(f"{torch.__version__} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} "

@@ -1,14 +1,13 @@
 /* y = x · Wᵀ for W stored in llama.cpp's blocks of 32 inputs, with fp32 activations and fp32 sums.
  *
  * Q4_1: each block of a row has 16 bytes of 4-bit values q (byte j: input j in the low nibble, input
- * 16 + j in the high one), a scale d and an offset m (fp16, as in the file), w = q·d + m. Then
- *     x·w over the block = d · Σ x_i q_i + m · Σ x_i,
- * so the inner loop multiplies x by the small integers q (exact in fp32) and the scales come in once per
- * block. Q8_0: 32 signed bytes and a scale, w = q·d.
+ * 16 + j in the high one), a scale d and an offset m (fp16, as in the file), w = q·d + m. Q8_0: 32
+ * signed bytes and a scale, w = q·d. A block is unpacked to fp32 weights exactly as the float path
+ * dequantizes it (q·d rounded, then + m rounded), so each product x·w is the float path's own.
  *
- * The weights are read once per call however many rows x has: each block is unpacked to floats once and
- * used by every row of x. Every (row, output) pair is summed by the same sequence of operations whatever
- * the number of rows, so a row's result never depends on what else is in the batch.
+ * The weights are read once per call however many rows x has: each block is unpacked once and used by
+ * every row of x. Every (row, output) pair is summed by the same sequence of operations whatever the
+ * number of rows, so a row's result never depends on what else is in the batch.
  *
  * This file is compiled once per instruction set with VL = floats per vector (16: AVX-512, 8: AVX2,
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
@@ -72,114 +71,104 @@ static inline void i8x32(const int8_t *p, vf *w) {
 }
 #endif
 
-/* The 32 values of a Q4_1 block as NV float vectors, inputs in order. */
-static inline void unpack_q4(const uint8_t *p, vf w[NV]) {
+/* The 32 weights of block b of row n as NV float vectors, inputs in order. */
+static inline void weights_q4(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
+                              int64_t K, vf w[NV]) {
+    const uint8_t *p = (const uint8_t *)q + n * (K / 2) + b * 16;
     const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
     u8x16(_mm_and_si128(raw, low), w);
     u8x16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), w + NV / 2);
+    const vf scale = (vf){0} + (float)d[n * (K / 32) + b], offset = (vf){0} + (float)m[n * (K / 32) + b];
+    for (int i = 0; i < NV; i++) w[i] = w[i] * scale + offset;
 }
 
-static inline void unpack_q8(const int8_t *p, vf w[NV]) { i8x32(p, w); }
+static inline void weights_q8(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
+                              int64_t K, vf w[NV]) {
+    (void)m;
+    i8x32((const int8_t *)q + n * K + b * 32, w);
+    const vf scale = (vf){0} + (float)d[n * (K / 32) + b];
+    for (int i = 0; i < NV; i++) w[i] = w[i] * scale;
+}
 
-/* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and xs start at the tile's first row): y[r][n].
- * xs holds the block sums of x (Q4_1's offsets). Every size is a compile-time constant, so the unpacked
- * weights and the sums stay in registers. */
+/* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and y start at the tile's first row). Every size is a
+ * compile-time constant, so the weights and the sums stay in registers. */
 #define TILE(KIND, MRC, NRC)                                                                              \
-static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, const float *xs, int64_t K,   \
-        const void *q, const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {          \
-    const int64_t B = K / 32;                                                                             \
+static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_t K, const void *q,     \
+        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
     vf acc[MRC][NRC];                                                                                     \
-    float macc[MRC][NRC];                                                                                 \
     for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) { acc[r][n] = (vf){0}; macc[r][n] = 0.f; }                          \
-    for (int64_t b = 0; b < B; b++) {                                                                     \
+        for (int n = 0; n < NRC; n++) acc[r][n] = (vf){0};                                                \
+    for (int64_t b = 0; b < K / 32; b++) {                                                                \
         vf w[NRC][NV];                                                                                    \
-        for (int n = 0; n < NRC; n++) UNPACK_##KIND(q, n0 + n, b, K, w[n]);                               \
+        for (int n = 0; n < NRC; n++) weights_##KIND(q, d, m, n0 + n, b, K, w[n]);                        \
         for (int r = 0; r < MRC; r++) {                                                                   \
             vf xv[NV];                                                                                    \
             for (int i = 0; i < NV; i++) xv[i] = loadf(x + r * K + b * 32 + i * VL);                      \
-            for (int n = 0; n < NRC; n++) {                                                               \
-                vf t = w[n][0] * xv[0];                                                                   \
-                for (int i = 1; i < NV; i++) t = fmadd(w[n][i], xv[i], t);                                \
-                acc[r][n] = fmadd(t, (vf){0} + (float)d[(n0 + n) * B + b], acc[r][n]);                    \
-                OFFSET_##KIND(macc[r][n], m, (n0 + n) * B + b, xs[r * B + b]);                            \
-            }                                                                                             \
+            for (int n = 0; n < NRC; n++)                                                                 \
+                for (int i = 0; i < NV; i++) acc[r][n] = fmadd(w[n][i], xv[i], acc[r][n]);                \
         }                                                                                                 \
     }                                                                                                     \
     for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]) + macc[r][n];                   \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
 }
-
-#define UNPACK_q4(q, row, b, K, w) unpack_q4((const uint8_t *)(q) + (row) * ((K) / 2) + (b) * 16, w)
-#define UNPACK_q8(q, row, b, K, w) unpack_q8((const int8_t *)(q) + (row) * (K) + (b) * 32, w)
-#define OFFSET_q4(acc, m, i, s) ((acc) += (float)(m)[i] * (s))
-#define OFFSET_q8(acc, m, i, s) ((void)0)
 
 /* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
 #define COLUMNS(KIND, NRC)                                                                                \
 TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)                               \
-static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, const float *xs, int64_t M, int64_t K,    \
-        const void *q, const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {          \
-    const int64_t B = K / 32;                                                                             \
+static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t K, const void *q,      \
+        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
     for (int64_t r = 0; r < M; r += MR) {                                                                 \
-        const float *xr = x + r * K, *xsr = xs ? xs + r * B : NULL;                                       \
+        const float *xr = x + r * K;                                                                      \
         float *yr = y + r * N;                                                                            \
         switch (M - r < MR ? (int)(M - r) : MR) {                                                         \
-        case 1: CAT(tile_##KIND##_1_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
-        case 2: CAT(tile_##KIND##_2_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
-        case 3: CAT(tile_##KIND##_3_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                 \
-        default: CAT(tile_##KIND##_4_##NRC, NAME)(xr, xsr, K, q, d, m, n0, yr, N); break;                \
+        case 1: CAT(tile_##KIND##_1_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        case 2: CAT(tile_##KIND##_2_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        case 3: CAT(tile_##KIND##_3_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        default: CAT(tile_##KIND##_4_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                      \
         }                                                                                                 \
     }                                                                                                     \
 }
+
+/* The bytes of NR outputs' blocks, asked for AHEAD tiles before they are used: streaming a large matrix
+ * (the LM head) from memory, the hardware prefetchers alone left the kernel waiting on most loads. */
+#define AHEAD 4
+static inline void prefetch(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+}
+#define PREFETCH_q4(q, d, m, n, K) (prefetch((const uint8_t *)(q) + (n) * ((K) / 2), NR * (K) / 2),          \
+                                    prefetch((d) + (n) * ((K) / 32), NR * (K) / 16), prefetch((m) + (n) * ((K) / 32), NR * (K) / 16))
+#define PREFETCH_q8(q, d, m, n, K) (prefetch((const int8_t *)(q) + (n) * (K), NR * (K)), prefetch((d) + (n) * ((K) / 32), NR * (K) / 16))
 
 /* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
  * tile one output at a time: the same operations per output either way). */
 #define MATMUL(KIND)                                                                                      \
-COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                                        \
+COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                          \
 void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
                              const _Float16 *m, int64_t N, float *y) {                                   \
-    const int64_t B = K / 32;                                                                             \
-    float *xs = NULL;                                                                                     \
-    if (m) {                                                                                              \
-        xs = malloc(sizeof(float) * (M * B > 0 ? M * B : 1));                                             \
-        for (int64_t i = 0; i < M * B; i++) {                                                             \
-            vf s = loadf(x + i * 32);                                                                     \
-            for (int j = 1; j < NV; j++) s += loadf(x + i * 32 + j * VL);                                 \
-            xs[i] = hsum(s);                                                                              \
-        }                                                                                                 \
-    }                                                                                                     \
     const int64_t tiles = N / NR;                                                                         \
     _Pragma("omp parallel for schedule(static)")                                                          \
     for (int64_t t = 0; t <= tiles; t++) {                                                                \
-        if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, xs, M, K, q, d, m, t * NR, y, N);              \
-        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, xs, M, K, q, d, m, n, y, N); \
+        if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                             \
+        if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);                   \
+        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
     }                                                                                                     \
-    free(xs);                                                                                             \
+}
+
+/* The fp32 weight (N, K) of the blocks, as the kernels compute with it and the float path dequantizes it
+ * (a prefill multiplies by it with BLAS). */
+#define DEQUANTIZE(KIND)                                                                                  \
+void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float16 *m, int64_t N,       \
+                                 int64_t K, float *w) {                                                  \
+    _Pragma("omp parallel for schedule(static)")                                                          \
+    for (int64_t n = 0; n < N; n++)                                                                       \
+        for (int64_t b = 0; b < K / 32; b++) {                                                            \
+            vf v[NV];                                                                                     \
+            weights_##KIND(q, d, m, n, b, K, v);                                                          \
+            memcpy(w + n * K + b * 32, v, sizeof v);                                                      \
+        }                                                                                                 \
 }
 
 MATMUL(q4)
 MATMUL(q8)
-
-/* The fp32 weight (N, K) of the blocks: w = q·d + m, the product rounded, then the sum (as the float
- * path dequantizes a file's blocks, so a dense matmul with it is the float path's). */
-#define DEQUANTIZE(KIND)                                                                                  \
-void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float16 *m, int64_t N,       \
-                                 int64_t K, float *w) {                                                  \
-    const int64_t B = K / 32;                                                                             \
-    _Pragma("omp parallel for schedule(static)")                                                          \
-    for (int64_t n = 0; n < N; n++)                                                                       \
-        for (int64_t b = 0; b < B; b++) {                                                                 \
-            vf v[NV];                                                                                     \
-            UNPACK_##KIND(q, n, b, K, v);                                                                 \
-            const vf scale = (vf){0} + (float)d[n * B + b], offset = (vf){0} + (m ? (float)m[n * B + b] : 0.f); \
-            for (int i = 0; i < NV; i++) {                                                                \
-                vf t = v[i] * scale;                                                                      \
-                if (m) t = t + offset;                                                                    \
-                memcpy(w + n * K + b * 32 + i * VL, &t, sizeof t);                                        \
-            }                                                                                             \
-        }                                                                                                 \
-}
-
 DEQUANTIZE(q4)
 DEQUANTIZE(q8)
