@@ -139,7 +139,10 @@ class Engine:
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
         # Packed quantized layers compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
         two_paths = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.modules())
-        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1)
+        scaling = cfg.rope_scaling or {}
+        rope_switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
+        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1,
+                                   rope_switch=rope_switch)
         # A sequence may grow while its next token has a position and a slot to go to, in every layer group.
         self.max_len = min(cfg.max_seq_len, self.pool.capacity // len(self.pool.groups) * block_size)
         self._cond = threading.Condition()
@@ -263,7 +266,8 @@ class Engine:
         T = max(n for _, n in chunks)
         ids = [[0] * (T - n) + seq.token_ids[seq.num_computed : seq.num_computed + n] for seq, n in chunks]  # left-padded
         seqs, news = [seq for seq, _ in chunks], [n for _, n in chunks]
-        cache = PagedCache(self.pool, [seq.block_tables for seq in seqs], [seq.num_computed for seq in seqs], news)
+        cache = PagedCache(self.pool, [seq.block_tables for seq in seqs], [seq.num_computed for seq in seqs], news,
+                           seq_lens=[len(seq.token_ids) for seq in seqs])  # LongRoPE's factors follow each row's length
         logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1).logits[:, -1]  # (B, V)
         for seq, n in chunks:
             self.scheduler.computed(seq, n)

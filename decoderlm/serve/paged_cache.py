@@ -162,13 +162,14 @@ class PagedCache:
     cached and adds `new_lens[i]` tokens, left-padded to T = max(new_lens) so every row's newest
     token is the last column (the model's logits_to_keep=1 then picks each row's next-token logits).
     block_tables[i][g] is row i's table for layer group g; each must already cover context + new tokens.
+    seq_lens: each row's whole length (for a RoPE whose frequencies depend on it, LongRoPE's), when known.
 
     Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
     and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
     write into the null block, which no table really uses."""
 
     def __init__(self, pool: BlockPool, block_tables: list[list[list[int]]], context_lens: list[int],
-                 new_lens: list[int]) -> None:
+                 new_lens: list[int], seq_lens: list[int] | None = None) -> None:
         bs, device = pool.block_size, pool.k[0].device
         B, T, G = len(new_lens), max(new_lens), len(pool.groups)
         totals = [c + n for c, n in zip(context_lens, new_lens)]
@@ -190,6 +191,7 @@ class PagedCache:
         self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
         self.lengths, self.totals, self.new_lens = list(context_lens), totals, list(new_lens)
+        self.seq_lens = seq_lens
 
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.q_pos

@@ -22,6 +22,12 @@ count grows back while a long sequence decodes; full groups keep theirs. Admissi
 blocks for all of a sequence's tokens in every group (the prompt, or everything after a preemption),
 as prefill writes them before the oldest fall out of the window; so a sequence never outgrows what an
 empty pool can admit (Engine.max_len).
+
+LongRoPE (Phi-3) rotates with its short factors while a sequence is at most `rope_switch` tokens long
+and with its long ones after. As transformers' generate does, a sequence whose keys were computed
+short and that grows past the switch is computed again from its tokens (its blocks go back and it is
+readmitted first); a sequence longer than the switch when admitted is computed long from the start,
+every prompt chunk included. Long-computed blocks have names of their own in the prefix cache.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks' tokens, in table order
     num_computed: int = 0  # tokens whose keys/values are in the pool
     num_dropped: list[int] = field(default_factory=list)  # per group, leading blocks given back: no query can see them any more
+    long_rope: bool = False  # its keys are computed with LongRoPE's long factors: it was past the switch when admitted
 
     @property
     def num_generated(self) -> int:
@@ -74,8 +81,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1) -> None:
+    def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1,
+                 rope_switch: int | None = None) -> None:
         self.pool, self.max_batch, self.prefill_chunk, self.prefix_caching = pool, max_batch, prefill_chunk, prefix_caching
+        self.rope_switch = rope_switch  # LongRoPE's original context: longer sequences take the long factors
         self.windows = pool.windows  # each layer group's sliding window (None: it sees everything)
         self.min_chunk = min_chunk if min_chunk <= prefill_chunk else 1  # a chunk never exceeds prefill_chunk
         self.waiting: deque[Sequence] = deque()
@@ -91,6 +100,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        for seq in list(self.running):
+            if self.rope_switch is not None and not seq.long_rope and len(seq.token_ids) > self.rope_switch:
+                self._restart(seq)  # its keys were rotated with the short factors
         self._admit()
         decode = [seq for seq in self._grow() if seq.pending == 1]
         return StepPlan(decode, self._chunks())
@@ -155,6 +167,7 @@ class Scheduler:
             seq.block_hashes = hashes[: len(hits[0])]
             seq.num_computed = len(hits[0]) * bs
             seq.num_dropped = [table.count(NULL_BLOCK) for table in hits]
+            seq.long_rope = self.rope_switch is not None and len(seq.token_ids) > self.rope_switch
             self.prefix_queries += len(seq.token_ids)
             self.prefix_hits += seq.num_computed
             self.running.append(seq)
@@ -188,8 +201,12 @@ class Scheduler:
         return [[] for _ in groups]
 
     def _root(self, seq: Sequence) -> bytes | None:
-        """What a sequence's first block name starts from: its side of min_chunk (None: no sides)."""
-        return None if self.min_chunk == 1 else b"long" if seq.prompt_len >= self.min_chunk else b"short"
+        """What a sequence's first block name starts from: its side of min_chunk and of LongRoPE's switch
+        (None: no sides)."""
+        sides = [] if self.min_chunk == 1 else [b"long" if seq.prompt_len >= self.min_chunk else b"short"]
+        if self.rope_switch is not None and len(seq.token_ids) > self.rope_switch:
+            sides.append(b"long-rope")
+        return b"|".join(sides) or None
 
     def _grow(self) -> list[Sequence]:
         """Give each running sequence a slot for its pending token, preempting the latest admitted
@@ -205,10 +222,14 @@ class Scheduler:
         return self.running
 
     def _preempt(self, seq: Sequence) -> None:
+        self._restart(seq)
+        self.preemptions += 1
+
+    def _restart(self, seq: Sequence) -> None:
+        """seq gives back its blocks and waits first in line, to be computed again from its tokens."""
         self.running.remove(seq)
         self._free(seq)
         self.waiting.appendleft(seq)
-        self.preemptions += 1
 
     def _chunks(self) -> list[tuple[Sequence, int]]:
         """Prefill rows for this step: the next chunk of each prompt, in admission order, while the
