@@ -19,8 +19,8 @@ Sliding windows: in a group whose layers slide over a window W, the next query o
 position p = its computed length, sees no key at or before p − W, nor does any later one. A block
 whose last position is ≤ p − W is then given back to the pool (`Scheduler.computed`) and its table
 entry becomes NULL_BLOCK; the mask hides those positions by their distance, whatever the null block
-holds. Full groups keep every block, so a long Gemma-3 sequence holds its whole length in one group
-of six and a window in the other five. A given-back block keeps its name, so another prompt with that
+holds. Full groups keep every block, so a long Gemma-3 sequence holds its whole length in the groups
+of its full layers (one in six) and only a window in the others. A given-back block keeps its name, so another prompt with that
 prefix may still share it while it stays cached; a prefix hit needs, per sliding group, only the
 blocks its next query sees (after a preemption a sequence is recomputed from its tokens like any other).
 
