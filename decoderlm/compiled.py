@@ -31,7 +31,6 @@ import decoderlm
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import Transformer
 from decoderlm.model.moe import MoE
-from decoderlm.quantize import Int4Linear, Int8Linear
 
 MIN_BUCKET = 256
 # Code the compiled graph is made of: editing any of it must not reuse an old package.
@@ -64,7 +63,7 @@ def one_line(e: Exception) -> str:
 def not_compilable(model: Transformer) -> str | None:
     """Why the step cannot be compiled, known before trying; None when it can be tried."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        if any(isinstance(m, (Int4Linear, Int8Linear)) for m in moe.experts.modules()):
+        if any(not t.is_floating_point() for t in [*moe.experts.parameters(), *moe.experts.buffers()]):  # integer weights: quantized
             # torch 2.13's AOTInductor leaves the constants it derives from quantized weights undeclared inside
             # torch.cond's branches (the wrapper fails to build), and the experts run in such branches (decoderlm.model.moe).
             return "quantized MoE experts do not compile yet; --quantize none compiles them"
