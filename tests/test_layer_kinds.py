@@ -12,6 +12,7 @@ from hf_models import make_hf_model, prompt_ids
 from tokenizers import Tokenizer
 
 import decoderlm.cli as cli
+from decoderlm.generate import generate
 from decoderlm.inspect.accounting import Accounting
 from decoderlm.inspect.arch import read_spec
 from decoderlm.kv_cache import HybridKVCache, KVCache, StaticKVCache, cache_for
@@ -42,6 +43,28 @@ def test_paged_engine_batch_gives_transformers_greedy_tokens(checkpoint):
     while engine.has_work():
         engine.step()
     assert [[o.token_id for o in s if o.token_id is not None] for s in streams] == want
+
+
+def test_paged_engine_gives_back_the_sliding_layers_blocks_over_a_long_generation(checkpoint):
+    """The sliding layers' block tables hold their window while the full layer's holds everything, and
+    the tokens stay transformers' and `generate`'s."""
+    folder, hf, _ = checkpoint
+    model, _ = load(folder)
+    prompt, params = prompt_ids(14, seed=7)[0].tolist(), SamplingParams(temperature=0, max_new_tokens=24)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)[0, 14:].tolist()
+    engine = Engine(model, num_blocks=1 + 3 * 10, block_size=4, prefill_chunk=8)  # 3 groups of one layer
+    assert sorted(engine.pool.windows, key=str) == [6, 6, None]
+    stream = engine.add_request(prompt, params)
+    held = []
+    while engine.has_work():
+        engine.step()
+        held += [[sum(b != 0 for b in t) for t in seq.block_tables] for seq in engine.scheduler.running]
+    # Before the last step 36 tokens are computed: the full layer holds 9 blocks, a sliding one the 2 that the
+    # next query (at 36, window 6: 31..35) sees.
+    assert held[-1] == [2 if w else 9 for w in engine.pool.windows]
+    assert [o.token_id for o in stream if o.token_id is not None] == want == generate(model, prompt, params)
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 def test_static_cache_decoding_equals_recomputation(checkpoint):

@@ -14,6 +14,7 @@ from decoderlm.generate import generate
 from decoderlm.inspect.arch import spec_from_model_config
 from decoderlm.loader import load
 from decoderlm.sampling import SamplingParams
+from decoderlm.serve import Engine
 
 LONG = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # one divisor per frequency (head_dim 16: 8)
 SHORT = [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0]
@@ -60,6 +61,36 @@ def test_greedy_decoding_across_the_switch_matches_transformers(pair):
     with torch.no_grad():
         want = hf.generate(ids, do_sample=False, max_new_tokens=20)[0, 10:].tolist()
     assert generate(ours, ids[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=20)) == want
+
+
+@pytest.mark.parametrize("pair", ["phi3-longrope"], indirect=True)
+def test_paged_engine_across_the_switch_matches_transformers(pair):
+    """One batch holds a row that stays within the switch (4 + 12 tokens), one that crosses it while decoding
+    (10 + 12: computed again, long, as transformers does) and a prompt past it read in chunks of 8 (long from
+    its first chunk); each row with its own factors gives transformers' greedy tokens. Long-computed blocks
+    are named apart in the prefix cache: a short prompt sharing their tokens does not reuse them."""
+    hf, ours, _ = pair
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    long = prompt_ids(20, seed=20)[0].tolist()
+    prompts = [prompt_ids(4, seed=4)[0].tolist(), prompt_ids(10, seed=10)[0].tolist(), long]
+    with torch.no_grad():
+        want = {tuple(p): hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12)[0, len(p):].tolist()
+                for p in prompts}
+        want[tuple(long[:12])] = hf.generate(torch.tensor([long[:12]]), do_sample=False, max_new_tokens=4)[0, 12:].tolist()
+    engine = Engine(ours, max_batch=3, num_blocks=1 + 24, block_size=4, prefill_chunk=8)
+    streams = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert [[o.token_id for o in s if o.token_id is not None] for s in streams] == [want[tuple(p)] for p in prompts]
+    assert engine.stats()["preemptions"] == 0
+    # The long prompt's first 12 tokens, within the switch to the end: no hit; the long prompt again: its 4 full blocks.
+    for p, n, hits in ((long[:12], 4, 0), (long, 12, 16)):
+        before, params = engine.stats()["prefix_cache_hits"], SamplingParams(temperature=0.0, max_new_tokens=n)
+        stream = engine.add_request(p, params)
+        while engine.has_work():
+            engine.step()
+        assert [o.token_id for o in stream if o.token_id is not None] == want[tuple(p)] == generate(ours, p, params)
+        assert engine.stats()["prefix_cache_hits"] - before == hits
 
 
 def test_configs_name_the_variant(pair):

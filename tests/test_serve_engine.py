@@ -18,6 +18,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams, sample, sample_batch
 from decoderlm.serve import Engine, TokenOutput
+from decoderlm.serve.paged_cache import NULL_BLOCK
+from decoderlm.serve.scheduler import Sequence
 
 pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
 
@@ -210,10 +212,10 @@ def test_blocks_follow_the_tokens_and_return_on_finish(model):
     stream = engine.add_request(list(range(1, 7)), SamplingParams(temperature=0, max_new_tokens=8))
     engine.step()  # admitted with blocks for its 6 prompt tokens, prefilled, first token sampled
     seq = engine.scheduler.running[0]
-    assert len(seq.block_table) == 2 and engine.stats()["kv_blocks_used"] == 2
+    assert len(seq.block_tables[0]) == 2 and engine.stats()["kv_blocks_used"] == 2
     for _ in range(3):
         engine.step()
-    assert len(seq.token_ids) == 10 and len(seq.block_table) == 3  # token 10 has a slot in block 3
+    assert len(seq.token_ids) == 10 and len(seq.block_tables[0]) == 3  # token 10 has a slot in block 3
     drain(engine)
     assert len(list(stream)) == 8
     assert_pool_empty(engine)
@@ -241,8 +243,8 @@ def test_common_prefix_shares_blocks_with_reference_counts(model):
     s2 = engine.add_request(prefix + [60], params)
     engine.step()
     one, two = engine.scheduler.running
-    assert two.block_table[:3] == one.block_table[:3] and two.block_table[3] != one.block_table[3]
-    assert all(engine.pool.ref_counts[b] == 2 for b in one.block_table[:3])
+    assert two.block_tables[0][:3] == one.block_tables[0][:3] and two.block_tables[0][3] != one.block_tables[0][3]
+    assert all(engine.pool.ref_counts[b] == 2 for b in one.block_tables[0][:3])
     drain(engine)
     first = tokens(list(s1))
     assert first == generate(model, prefix + [50, 51], params)
@@ -547,14 +549,45 @@ def test_sliding_window_blocks_go_back_while_a_long_sequence_decodes(sliding):
     assert_pool_empty(engine)
 
 
-def test_a_mixed_model_keeps_every_block(sliding):
-    mixed = tiny_model(vocab_size=64, max_seq_len=96, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    engine = Engine(mixed, num_blocks=1 + 24, block_size=4)
+@pytest.fixture(scope="module")
+def mixed():
+    return tiny_model(vocab_size=64, max_seq_len=96, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+def test_a_mixed_model_gives_back_its_sliding_layers_blocks_and_keeps_the_full_ones(mixed):
+    engine = Engine(mixed, num_blocks=1 + 26, block_size=4)  # a block holds one layer's keys: 2 groups, 1 layer each
+    assert engine.pool.windows == [8, None] and engine.max_len == 52
     prompt, params = list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=40)
     stream = engine.add_request(prompt, params)
-    used = used_per_step(engine)
-    assert used[:-1] == sorted(used[:-1]) and used[-2] == 12  # 48 keys in blocks of 4: the full layer reads them all
+    held, used = [], []
+    while engine.has_work():
+        engine.step()
+        held += [[sum(b != NULL_BLOCK for b in t) for t in seq.block_tables] for seq in engine.scheduler.running]
+        used.append(engine.stats()["kv_blocks_used"])
+    # Before the last step, 48 tokens computed in blocks of 4: the full layer holds all 12 blocks, the sliding one the 2
+    # its next query (at 48) sees, 41..47; keeping every block would hold 24.
+    assert held[-1] == [2, 12] and max(h[0] for h in held) <= 3 and used[-2] == 14
     assert tokens(list(stream)) == generate(mixed, prompt, params)
+    assert_pool_empty(engine)
+
+
+def test_a_prefix_hit_after_the_sliding_head_blocks_were_evicted(mixed):
+    """A finished sequence's sliding-layer blocks behind the window went back first, so they are the first
+    the pool reuses; the same prompt again shares the full layer's blocks and the sliding blocks its
+    next query sees, never a block since given to another sequence."""
+    engine = Engine(mixed, max_batch=1, num_blocks=1 + 26, block_size=2)  # 26 tokens in blocks of 2, in 2 groups
+    prompt, params = prompts(4, seed=5)[3][:20], SamplingParams(temperature=0, max_new_tokens=6)
+    first = engine.add_request(prompt, params)
+    drain(engine)  # 13 blocks per group used, the 2 partial ones free again, the sliding head cached oldest
+    engine.add_request([40, 41], SamplingParams(temperature=0, max_new_tokens=3))
+    drain(engine)  # 3 blocks per group: the 2 free ones and the first 4 of the sliding head, evicted
+    hits = engine.scheduler._hits(engine.scheduler._prefix_hashes(Sequence("again", prompt, 20, params)))
+    assert [len(t) for t in hits] == [9, 9] and hits[0][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in hits[0][5:] + hits[1]
+    again = engine.add_request(prompt, params)
+    drain(engine)
+    assert tokens(list(again)) == tokens(list(first)) == generate(mixed, prompt, params)
+    assert engine.stats()["prefix_cache_hits"] == 18  # the second time: all 9 full blocks before the last token
+    assert_pool_empty(engine)
 
 
 def test_sliding_window_with_preemption_and_shared_prefixes_matches_generate(sliding):

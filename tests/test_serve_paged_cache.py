@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import KVCache
-from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache, block_hash, freeable_window
+from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache, block_hash, layer_groups
 
 
 def test_allocate_release_and_reference_counts():
@@ -78,29 +78,34 @@ def test_pool_size_from_memory():
 def test_a_table_too_short_for_its_tokens_is_refused():
     pool = BlockPool(tiny_config(), num_blocks=4, block_size=2)
     with pytest.raises(DecoderLMError, match="cannot hold"):
-        PagedCache(pool, [[pool.allocate()]], [1], [2])
+        PagedCache(pool, [[[pool.allocate()]]], [1], [2])
 
 
 @given(configs(), st.integers(1, 4), st.integers(1, 5), st.data())
 @settings(max_examples=40)
 def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, data):
     """Rows of different lengths, fed in chunks of random sizes and at different paces, through one
-    PagedCache per step give the logits each row gets alone through a KVCache with the same chunks."""
+    PagedCache per step give the logits each row gets alone through a KVCache with the same chunks;
+    a model mixing sliding and full layers through a block table per layer group."""
+    if overrides["sliding_window"] and overrides["n_layers"] == 2 and data.draw(st.booleans()):
+        overrides["layer_types"] = ["sliding_attention", "full_attention"]
     model = tiny_model(**overrides)
     chunks = [data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)) for _ in range(rows)]
     vocab = model.config.vocab_size
     tokens = [torch.randint(0, vocab, (sum(c),), generator=torch.Generator().manual_seed(i)).tolist() for i, c in enumerate(chunks)]
-    pool = BlockPool(model.config, num_blocks=1 + sum(-(-sum(c) // block_size) for c in chunks), block_size=block_size)
+    G = len(layer_groups(model.config))
+    pool = BlockPool(model.config, num_blocks=1 + G * sum(-(-sum(c) // block_size) for c in chunks), block_size=block_size)
     random.Random(data.draw(st.integers(0, 99))).shuffle(pool.free)  # tables point anywhere in the pool
-    tables: list[list[int]] = [[] for _ in range(rows)]
+    tables: list[list[list[int]]] = [[[] for _ in range(G)] for _ in range(rows)]
     done = [0] * rows
     paged: list[list[torch.Tensor]] = [[] for _ in range(rows)]
     with torch.inference_mode():
         for step in range(max(map(len, chunks))):
             live = [i for i in range(rows) if step < len(chunks[i])]
             for i in live:
-                while len(tables[i]) * block_size < done[i] + chunks[i][step]:
-                    tables[i].append(pool.allocate())
+                for table in tables[i]:
+                    while len(table) * block_size < done[i] + chunks[i][step]:
+                        table.append(pool.allocate())
             news = [chunks[i][step] for i in live]
             T = max(news)
             ids = torch.tensor([[0] * (T - n) + tokens[i][done[i] : done[i] + n] for i, n in zip(live, news)])  # left-padded
@@ -119,8 +124,13 @@ def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, da
             torch.testing.assert_close(torch.cat(paged[i]), torch.cat(alone), atol=1e-5, rtol=1e-5)
 
 
-def test_blocks_are_freeable_only_when_every_layer_slides_over_one_window():
-    assert freeable_window(tiny_config(sliding_window=8)) == 8  # Mistral-style: every layer
-    assert freeable_window(tiny_config(sliding_window=8, layer_types=["sliding_attention"] * 2)) == 8
-    assert freeable_window(tiny_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])) is None
-    assert freeable_window(tiny_config()) is None
+def test_layer_groups_cut_each_attention_kind_into_equal_groups():
+    sliding, full = "sliding_attention", "full_attention"
+    assert layer_groups(tiny_config(n_layers=3)) == [[0, 1, 2]]  # one kind: one group, every block holds all layers
+    assert layer_groups(tiny_config(n_layers=4, sliding_window=8)) == [[0, 1, 2, 3]]
+    assert layer_groups(tiny_config(n_layers=4, sliding_window=8, layer_types=[sliding, full] * 2)) == [[0, 2], [1, 3]]  # Gemma-2
+    gemma3 = tiny_config(n_layers=6, sliding_window=8, layer_types=[sliding] * 5 + [full])
+    assert layer_groups(gemma3) == [[0], [1], [2], [3], [4], [5]]
+    pool = BlockPool(gemma3, num_blocks=3, block_size=4)
+    assert len(pool.k) == 1 and pool.windows == [8] * 5 + [None] and pool.place[5] == (5, 0)
+    assert BlockPool.bytes_per_block(gemma3, 4, torch.float32) == BlockPool.bytes_per_token(gemma3, torch.float32) * 4 // 6

@@ -58,6 +58,8 @@ class MoE(nn.Module):
         weights, chosen = self.route(flat)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
+        if torch.compiler.is_exporting():  # the compiled decode step (decoderlm.compiled); torch.compile in training breaks the graph here
+            return self.compiled_experts(flat, weights, chosen, out).view(B, T, D)
         for e, expert in enumerate(self.experts):
             token, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to expert e
             if token.numel():
@@ -65,3 +67,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(B, T, D)
+
+    def compiled_experts(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum without data-dependent shapes, for an exported graph: each expert runs
+        on all N tokens (a decode step's one) under torch.cond, only when some token chose it, its output
+        scaled by that token's weight for it (0 for the others). The same sum, in the same expert order."""
+        for e, expert in enumerate(self.experts):
+            picked = chosen == e  # (N, k)
+            weight = (weights * picked).sum(dim=-1, keepdim=True)  # (N, 1)
+            out = torch.cond(picked.any(), lambda o, f, w, expert=expert: o + expert(f) * w, lambda o, f, w: o.clone(), (out, flat, weight))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out

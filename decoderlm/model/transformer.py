@@ -109,6 +109,15 @@ class Transformer(nn.Module):
             self.register_buffer("inv_freq_local", inv_freq.to(device), persistent=False)
             self.rope_local_factor = attention_factor(cfg.rope_local_scaling)
 
+    def frequencies_reached(self, positions: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """LongRoPE's and dynamic NTK's inverse frequencies, which depend on the length a sequence has
+        reached: the forward's last position + 1, or per row a paged batch's `seq_lens` (rot_dim/2,) or (B, 1, rot_dim/2)."""
+        cfg, rot_dim = self.config, 2 * self.inv_freq.shape[0]
+        lengths = getattr(cache, "seq_lens", None) or [int(positions.max()) + 1]
+        freqs = [frequencies_at(rot_dim, cfg.rope_theta, cfg.rope_scaling, n, cfg.max_seq_len) for n in lengths]
+        freqs = [self.inv_freq if f is None else f.to(self.inv_freq.device) for f in freqs]
+        return freqs[0] if len(freqs) == 1 else torch.stack(freqs)[:, None]
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -163,11 +172,7 @@ class Transformer(nn.Module):
         elif positions.dim() == 3:  # M-RoPE's (t, h, w) positions
             rope = mrope_cos_sin(positions, self.inv_freq, cfg.mrope_section, x.dtype)
         else:
-            inv_freq = self.inv_freq
-            if self.rope_by_length:
-                rot_dim = 2 * inv_freq.shape[0]
-                reached = frequencies_at(rot_dim, cfg.rope_theta, cfg.rope_scaling, int(positions.max()) + 1, cfg.max_seq_len)
-                inv_freq = inv_freq if reached is None else reached.to(inv_freq.device)
+            inv_freq = self.frequencies_reached(positions, cache) if self.rope_by_length else self.inv_freq
             rope = rope_cos_sin(positions, inv_freq, x.dtype, self.rope_factor)  # (B, T, 1, rot_dim) each
             if cfg.rope_local_theta is not None:
                 local_rope = rope_cos_sin(positions, self.inv_freq_local, x.dtype, self.rope_local_factor)

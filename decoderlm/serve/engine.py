@@ -24,7 +24,7 @@ from decoderlm.generate import check_request
 from decoderlm.model import Transformer
 from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
-from decoderlm.serve.paged_cache import BlockPool, PagedCache, freeable_window
+from decoderlm.serve.paged_cache import BlockPool, PagedCache
 from decoderlm.serve.scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -133,16 +133,18 @@ class Engine:
         if num_blocks is None:
             per_token = BlockPool.bytes_per_token(cfg, dtype)
             memory = kv_cache_memory if kv_cache_memory is not None else min(DEFAULT_KV_MEMORY, max_batch * cfg.max_seq_len * per_token)
-            num_blocks = memory // (block_size * per_token) + 1  # + the null block
+            num_blocks = memory // BlockPool.bytes_per_block(cfg, block_size, dtype) + 1  # + the null block
             if num_blocks < 2:
                 raise DecoderLMError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens; give more memory")
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
         # Packed quantized layers compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
         two_paths = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.modules())
+        scaling = cfg.rope_scaling or {}
+        rope_switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
         self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1,
-                                   window=freeable_window(cfg))
-        # A sequence may grow while its next token has a position and a slot to go to.
-        self.max_len = min(cfg.max_seq_len, self.pool.capacity * block_size)
+                                   rope_switch=rope_switch)
+        # A sequence may grow while its next token has a position and a slot to go to, in every layer group.
+        self.max_len = min(cfg.max_seq_len, self.pool.capacity // len(self.pool.groups) * block_size)
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -264,7 +266,8 @@ class Engine:
         T = max(n for _, n in chunks)
         ids = [[0] * (T - n) + seq.token_ids[seq.num_computed : seq.num_computed + n] for seq, n in chunks]  # left-padded
         seqs, news = [seq for seq, _ in chunks], [n for _, n in chunks]
-        cache = PagedCache(self.pool, [seq.block_table for seq in seqs], [seq.num_computed for seq in seqs], news)
+        cache = PagedCache(self.pool, [seq.block_tables for seq in seqs], [seq.num_computed for seq in seqs], news,
+                           seq_lens=[len(seq.token_ids) for seq in seqs])  # LongRoPE's factors follow each row's length
         logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1).logits[:, -1]  # (B, V)
         for seq, n in chunks:
             self.scheduler.computed(seq, n)

@@ -7,15 +7,22 @@ sequence with the same prefix points its table at that block instead of computin
 (prefix caching). Reference counts say how many tables hold a block; a block nobody holds but whose
 content is known stays reusable in an LRU until the pool needs it back.
 
-Sliding windows: when every layer slides over the same window W (Mistral-style `sliding_window`, or
-`layer_types` all "sliding_attention"), the next query of a sequence, at position p = its computed
-length, sees no key at or before p − W, nor does any later one. A block whose last position is
-≤ p − W is then given back to the pool (`freeable_window`, `Scheduler`) and its table entry becomes
-NULL_BLOCK, so table index i still means positions i·block_size onwards; the mask hides those
-positions by their distance, whatever the null block holds. A given-back block keeps its name, so
-another prompt with that prefix may still share it; the sequence itself never reads it again (after
-a preemption it is recomputed from its tokens like any other). A model that mixes sliding and full
-layers keeps every block: a block holds all layers' keys, and its full layers still read it.
+Attention kinds: a model that mixes sliding-window and full layers (Gemma-2/3, gpt-oss) gives each kind
+its own block tables. The layers of one kind are cut into groups of g layers, g the greatest common
+divisor of the kinds' layer counts (Gemma-2's 13 sliding and 13 full: 2 groups of 13; Gemma-3's 5:1:
+6 groups of 1 in a 6-layer model), so every block holds the keys of g layers whichever group it serves
+and all groups draw from one pool (`layer_groups`). A uniform model is one group of all its layers.
+Each sequence keeps one table per group, all the same length: table index i means positions
+i·block_size onwards in every group.
+
+Sliding windows: in a group whose layers slide over a window W, the next query of a sequence, at
+position p = its computed length, sees no key at or before p − W, nor does any later one. A block
+whose last position is ≤ p − W is then given back to the pool (`Scheduler.computed`) and its table
+entry becomes NULL_BLOCK; the mask hides those positions by their distance, whatever the null block
+holds. Full groups keep every block, so a long Gemma-3 sequence holds its whole length in the groups
+of its full layers (one in six) and only a window in the others. A given-back block keeps its name, so another prompt with that
+prefix may still share it while it stays cached; a prefix hit needs, per sliding group, only the
+blocks its next query sees (after a preemption a sequence is recomputed from its tokens like any other).
 
 `PagedCache` is the view of one forward: a batch of sequences of different lengths, each adding
 some new tokens, through the `decoderlm.model.cache.Cache` contract the model already writes through.
@@ -37,11 +44,14 @@ from decoderlm.model.cache import KEY_ALIGN, aligned, build_mask
 NULL_BLOCK = 0  # never handed out: padding tokens write here, and padded table entries point here
 
 
-def freeable_window(config: ModelConfig) -> int | None:
-    """The window past which a sequence's blocks can be given back: every layer's, when all layers
-    slide over the same one; None when any layer sees the whole context."""
-    windows = config.windows
-    return windows[0] if len(windows) == 1 else None
+def layer_groups(config: ModelConfig) -> list[list[int]]:
+    """The layers that share block tables: each attention kind's layers, in groups of g (the gcd of
+    the kinds' layer counts), so a block is the keys of g layers in every group."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer in range(config.n_layers):
+        kinds.setdefault(config.window(layer), []).append(layer)
+    g = math.gcd(*map(len, kinds.values()))
+    return [layers[i : i + g] for layers in kinds.values() for i in range(0, len(layers), g)]
 
 
 def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -53,8 +63,9 @@ def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 class BlockPool:
-    """Per layer, K and V for num_blocks × block_size token slots, and the bookkeeping of who holds
-    which block. Slot s of block b is row b·block_size + s of each (slots, Hkv, D) tensor."""
+    """K and V for num_blocks × block_size token slots in each of g layers, and the bookkeeping of who
+    holds which block. Slot s of block b is row b·block_size + s of each (slots, Hkv, D) tensor; the
+    block serves one layer group at a time, whose j-th layer keeps its keys in tensor j (`place`)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -62,10 +73,14 @@ class BlockPool:
             raise DecoderLMError(f"a KV pool needs block_size >= 1 and at least 2 blocks (one is reserved), "
                                  f"got {num_blocks} blocks of {block_size}")
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        self.groups = layer_groups(config)
+        self.windows = [config.window(group[0]) for group in self.groups]  # each group's window (None: full attention)
+        self.place = {layer: (g, j) for g, group in enumerate(self.groups) for j, layer in enumerate(group)}  # layer → (group, tensor)
         k_shape, v_shape = config.kv_cache_widths  # (Hkv, D) each; MLA: the latent and the RoPE key
         # Zeros, not empty: masked slots still enter softmax·V with weight 0, and 0·NaN would be NaN.
-        self.k = [torch.zeros((num_blocks * block_size, *k_shape), dtype=dtype, device=device) for _ in range(config.n_layers)]  # (slots, Hkv, D)
-        self.v = [torch.zeros((num_blocks * block_size, *v_shape), dtype=dtype, device=device) for _ in range(config.n_layers)]
+        width = len(self.groups[0])
+        self.k = [torch.zeros((num_blocks * block_size, *k_shape), dtype=dtype, device=device) for _ in range(width)]  # (slots, Hkv, D)
+        self.v = [torch.zeros((num_blocks * block_size, *v_shape), dtype=dtype, device=device) for _ in range(width)]
         self.ref_counts = [0] * num_blocks
         self.hashes: list[bytes | None] = [None] * num_blocks
         self.free: deque[int] = deque(range(1, num_blocks))  # blocks with no known content
@@ -77,6 +92,11 @@ class BlockPool:
         """KV memory one token takes: K and V of every layer (MLA: its latent and RoPE key)."""
         (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths
         return config.n_layers * (k_heads * k_width + v_heads * v_width) * torch.finfo(dtype).bits // 8
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """KV memory one block takes: block_size tokens of one layer group."""
+        return BlockPool.bytes_per_token(config, dtype) * block_size // len(layer_groups(config))
 
     @property
     def capacity(self) -> int:
@@ -141,33 +161,37 @@ class PagedCache:
     """One forward over a batch of sequences in a BlockPool. Row i has `context_lens[i]` tokens
     cached and adds `new_lens[i]` tokens, left-padded to T = max(new_lens) so every row's newest
     token is the last column (the model's logits_to_keep=1 then picks each row's next-token logits).
-    Its block table must already cover context + new tokens.
+    block_tables[i][g] is row i's table for layer group g; each must already cover context + new tokens.
+    seq_lens: each row's whole length (for a RoPE whose frequencies depend on it, LongRoPE's), when known.
 
     Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
     and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
     write into the null block, which no table really uses."""
 
-    def __init__(self, pool: BlockPool, block_tables: list[list[int]], context_lens: list[int],
-                 new_lens: list[int]) -> None:
+    def __init__(self, pool: BlockPool, block_tables: list[list[list[int]]], context_lens: list[int],
+                 new_lens: list[int], seq_lens: list[int] | None = None) -> None:
         bs, device = pool.block_size, pool.k[0].device
-        B, T = len(new_lens), max(new_lens)
+        B, T, G = len(new_lens), max(new_lens), len(pool.groups)
         totals = [c + n for c, n in zip(context_lens, new_lens)]
         unit = math.lcm(bs, KEY_ALIGN) // bs  # whole blocks that hold a multiple of KEY_ALIGN slots
         width = -(-max(-(-t // bs) for t in totals) // unit) * unit  # blocks in the longest row, rounded up
-        for table, total in zip(block_tables, totals):
-            if len(table) * bs < total:
-                raise DecoderLMError(f"a block table of {len(table)} blocks cannot hold {total} tokens")
-        tables = torch.tensor([list(t[:width]) + [NULL_BLOCK] * (width - len(t[:width])) for t in block_tables], device=device)  # (B, W)
-        self.blocks = tables.view(-1)  # (B·W,)
-        slots = (tables[:, :, None] * bs + torch.arange(bs, device=device)).view(B, width * bs)  # (B, L): slot of position j
+        for tables, total in zip(block_tables, totals):
+            if len(tables) != G or any(len(t) * bs < total for t in tables):
+                raise DecoderLMError(f"{len(tables)} block tables of {[len(t) for t in tables]} blocks cannot hold {total} tokens "
+                                     f"in {G} layer groups")
+        tables = torch.tensor([[list(row[g][:width]) + [NULL_BLOCK] * (width - len(row[g][:width])) for row in block_tables]
+                               for g in range(G)], device=device)  # (G, B, W)
+        self.blocks = tables.view(G, -1)  # (G, B·W)
+        slots = (tables[..., None] * bs + torch.arange(bs, device=device)).view(G, B, width * bs)  # (G, B, L): slot of position j
         positions = [[0] * (T - n) + list(range(c, c + n)) for c, n in zip(context_lens, new_lens)]
         self.q_pos = torch.tensor(positions, device=device)  # (B, T); padding columns: position 0
         is_new = torch.tensor([[False] * (T - n) + [True] * n for n in new_lens], device=device)
-        new_slots = slots.gather(1, self.q_pos)  # (B, T)
-        self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(-1)  # (B·T,)
+        new_slots = slots.gather(2, self.q_pos.expand(G, B, T))  # (G, B, T)
+        self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(G, -1)  # (G, B·T)
         self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
         self.pool, self.shape = pool, (B, T, width * bs)
         self.lengths, self.totals, self.new_lens = list(context_lens), totals, list(new_lens)
+        self.seq_lens = seq_lens
 
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         return self.q_pos
@@ -180,13 +204,14 @@ class PagedCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) into their slots; gather every row's keys/values (B, Hkv, L, D)."""
         B, T, L = self.shape
-        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
-        pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
-        pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
+        g, j = self.pool.place[layer]  # the layer's group (its tables) and its tensor in the pool
+        pool_k, pool_v, blocks, write_slots = self.pool.k[j], self.pool.v[j], self.blocks[g], self.write_slots[g]
+        pool_k.index_copy_(0, write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
+        pool_v.index_copy_(0, write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
         # Gather whole blocks (block_size slots in one copy), not single slots.
         N, bs = self.pool.num_blocks, self.pool.block_size
-        keys = pool_k.view(N, bs, *pool_k.shape[1:]).index_select(0, self.blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
-        values = pool_v.view(N, bs, *pool_v.shape[1:]).index_select(0, self.blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
+        keys = pool_k.view(N, bs, *pool_k.shape[1:]).index_select(0, blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
+        values = pool_v.view(N, bs, *pool_v.shape[1:]).index_select(0, blocks).view(B, L, *pool_v.shape[1:]).transpose(1, 2)
         return keys.to(k.dtype), values.to(v.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool, scale: float | None = None,

@@ -15,11 +15,19 @@ more is read in chunks of at least min_chunk tokens, at least that many of it ar
 the prefix cache holds more, and the prefix cache shares blocks only between prompts on the same side
 of min_chunk and only blocks of prompt tokens (generated ones were computed one at a time).
 
-With `window` set (every layer sliding over it, see decoderlm.serve.paged_cache), each computed
-step gives back the leading blocks no later query can see, and the pool's free count grows back
-while a long sequence decodes. Admission still asks for blocks for all of a sequence's tokens (the
-prompt, or everything after a preemption), as prefill writes them before the oldest fall out of the
-window; so a sequence never outgrows what an empty pool can admit (Engine.max_len).
+A sequence has one block table per layer group (decoderlm.serve.paged_cache.layer_groups), all the
+same length, so each new block position takes one block per group. In a group of sliding-window
+layers each computed step gives back the leading blocks no later query can see, and the pool's free
+count grows back while a long sequence decodes; full groups keep theirs. Admission still asks for
+blocks for all of a sequence's tokens in every group (the prompt, or everything after a preemption),
+as prefill writes them before the oldest fall out of the window; so a sequence never outgrows what an
+empty pool can admit (Engine.max_len).
+
+LongRoPE (Phi-3) rotates with its short factors while a sequence is at most `rope_switch` tokens long
+and with its long ones after. As transformers' generate does, a sequence whose keys were computed
+short and that grows past the switch is computed again from its tokens (its blocks go back and it is
+readmitted first); a sequence longer than the switch when admitted is computed long from the start,
+every prompt chunk included. Long-computed blocks have names of their own in the prefix cache.
 """
 
 from __future__ import annotations
@@ -33,6 +41,11 @@ from decoderlm.sampling import SamplingParams
 from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, block_hash
 
 
+def group_name(h: bytes, group: int) -> bytes:
+    """A block's name in the pool: its tokens' name and its layer group (each group keeps other layers' keys)."""
+    return h + group.to_bytes(2, "big")
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request as the scheduler sees it: its tokens, and where their keys/values are."""
@@ -43,10 +56,11 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     logprobs: int | None = None
-    block_table: list[int] = field(default_factory=list)  # NULL_BLOCK for blocks given back behind the window
-    block_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks, in table order
+    block_tables: list[list[int]] = field(default_factory=list)  # per layer group; NULL_BLOCK for blocks given back behind the window
+    block_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks' tokens, in table order
     num_computed: int = 0  # tokens whose keys/values are in the pool
-    num_dropped: int = 0  # leading blocks given back: no query can see them any more
+    num_dropped: list[int] = field(default_factory=list)  # per group, leading blocks given back: no query can see them any more
+    long_rope: bool = False  # its keys are computed with LongRoPE's long factors: it was past the switch when admitted
 
     @property
     def num_generated(self) -> int:
@@ -68,9 +82,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, prefill_chunk: int, prefix_caching: bool, min_chunk: int = 1,
-                 window: int | None = None) -> None:
+                 rope_switch: int | None = None) -> None:
         self.pool, self.max_batch, self.prefill_chunk, self.prefix_caching = pool, max_batch, prefill_chunk, prefix_caching
-        self.window = window  # every layer's sliding window (None: some layer sees everything)
+        self.rope_switch = rope_switch  # LongRoPE's original context: longer sequences take the long factors
+        self.windows = pool.windows  # each layer group's sliding window (None: it sees everything)
         self.min_chunk = min_chunk if min_chunk <= prefill_chunk else 1  # a chunk never exceeds prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
@@ -85,6 +100,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        for seq in list(self.running):
+            if self.rope_switch is not None and not seq.long_rope and len(seq.token_ids) > self.rope_switch:
+                self._restart(seq)  # its keys were rotated with the short factors
         self._admit()
         decode = [seq for seq in self._grow() if seq.pending == 1]
         return StepPlan(decode, self._chunks())
@@ -99,15 +117,21 @@ class Scheduler:
             for i in range(len(seq.block_hashes), computed // bs):
                 h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs])
                 seq.block_hashes.append(h)
-                if seq.block_table[i] != NULL_BLOCK:  # a given-back block is no longer this table's to name
-                    self.pool.register(seq.block_table[i], h)
-        if self.window is not None:
-            # The next query sits at position num_computed and sees no key at or before num_computed - window.
-            n_out = min((seq.num_computed - self.window + 1) // bs, len(seq.block_table))
-            for i in range(seq.num_dropped, n_out):
-                self.pool.release([seq.block_table[i]])
-                seq.block_table[i] = NULL_BLOCK
-            seq.num_dropped = max(seq.num_dropped, n_out)
+                for g, table in enumerate(seq.block_tables):
+                    if table[i] != NULL_BLOCK:  # a given-back block is no longer this table's to name
+                        self.pool.register(table[i], group_name(h, g))
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                n_out = min(self._behind(seq.num_computed, window), len(seq.block_tables[g]))
+                for i in range(seq.num_dropped[g], n_out):
+                    self.pool.release([seq.block_tables[g][i]])
+                    seq.block_tables[g][i] = NULL_BLOCK
+                seq.num_dropped[g] = max(seq.num_dropped[g], n_out)
+
+    def _behind(self, n_computed: int, window: int) -> int:
+        """Leading blocks no query sees any more: the next one sits at position n_computed and sees no
+        key at or before n_computed - window."""
+        return max(0, (n_computed - window + 1) // self.pool.block_size)
 
     def remove(self, seq: Sequence) -> None:
         """seq is finished or aborted: it leaves the queues and its blocks go back at once."""
@@ -118,28 +142,32 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.release([b for b in seq.block_table[::-1] if b != NULL_BLOCK])
-        seq.block_table, seq.block_hashes, seq.num_computed, seq.num_dropped = [], [], 0, 0
+        for table in seq.block_tables:
+            self.pool.release([b for b in table[::-1] if b != NULL_BLOCK])
+        seq.block_tables, seq.block_hashes, seq.num_computed, seq.num_dropped = [], [], 0, []
 
     def _admit(self) -> None:
         """Move waiting sequences into the batch while there is room and the pool holds their
         tokens, keeping back the blocks running sequences need this step."""
-        bs = self.pool.block_size
-        growing = sum(len(s.block_table) * bs < len(s.token_ids) for s in self.running)
+        bs, G = self.pool.block_size, len(self.windows)
+        growing = G * sum(len(s.block_tables[0]) * bs < len(s.token_ids) for s in self.running)
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             hashes = self._prefix_hashes(seq)
-            hits = self.pool.lookup(hashes)
-            new = self.blocks_for(len(seq.token_ids)) - len(hits)
-            idle_hits = sum(self.pool.ref_counts[b] == 0 for b in hits)  # taking them shrinks the pool too
-            if new + idle_hits + growing > self.pool.num_available():
+            hits = self._hits(hashes)  # per group, NULL_BLOCK where a sliding group needs none
+            held = [b for table in hits for b in table if b != NULL_BLOCK]
+            new = self.blocks_for(len(seq.token_ids)) - len(hits[0])
+            idle_hits = sum(self.pool.ref_counts[b] == 0 for b in held)  # taking them shrinks the pool too
+            if G * new + idle_hits + growing > self.pool.num_available():
                 return
             self.waiting.popleft()
-            for block in hits:
+            for block in held:
                 self.pool.take(block)
-            seq.block_table = hits + [self.pool.allocate() for _ in range(new)]
-            seq.block_hashes = hashes[: len(hits)]
-            seq.num_computed = len(hits) * bs
+            seq.block_tables = [table + [self.pool.allocate() for _ in range(new)] for table in hits]
+            seq.block_hashes = hashes[: len(hits[0])]
+            seq.num_computed = len(hits[0]) * bs
+            seq.num_dropped = [table.count(NULL_BLOCK) for table in hits]
+            seq.long_rope = self.rope_switch is not None and len(seq.token_ids) > self.rope_switch
             self.prefix_queries += len(seq.token_ids)
             self.prefix_hits += seq.num_computed
             self.running.append(seq)
@@ -154,27 +182,54 @@ class Scheduler:
             hashes.append(block_hash(hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def _hits(self, hashes: list[bytes]) -> list[list[int]]:
+        """The cached blocks, per group, of the longest run of n leading blocks a sequence can resume
+        after: a full group needs all n, a sliding group only those its next query (at position
+        n·block_size) sees; the others are NULL_BLOCK, as if given back."""
+        groups = range(len(self.windows))
+        longest = min([len(hashes)] + [len(self.pool.lookup([group_name(h, g) for h in hashes])) for g in groups if self.windows[g] is None])
+        for n in range(longest, 0, -1):
+            tables = []
+            for g, window in enumerate(self.windows):
+                first = 0 if window is None else min(n, self._behind(n * self.pool.block_size, window))
+                blocks = self.pool.lookup([group_name(h, g) for h in hashes[first:n]])
+                if len(blocks) < n - first:
+                    break
+                tables.append([NULL_BLOCK] * first + blocks)
+            else:
+                return tables
+        return [[] for _ in groups]
+
     def _root(self, seq: Sequence) -> bytes | None:
-        """What a sequence's first block name starts from: its side of min_chunk (None: no sides)."""
-        return None if self.min_chunk == 1 else b"long" if seq.prompt_len >= self.min_chunk else b"short"
+        """What a sequence's first block name starts from: its side of min_chunk and of LongRoPE's switch
+        (None: no sides)."""
+        sides = [] if self.min_chunk == 1 else [b"long" if seq.prompt_len >= self.min_chunk else b"short"]
+        if self.rope_switch is not None and len(seq.token_ids) > self.rope_switch:
+            sides.append(b"long-rope")
+        return b"|".join(sides) or None
 
     def _grow(self) -> list[Sequence]:
         """Give each running sequence a slot for its pending token, preempting the latest admitted
         sequences while the pool is empty. Returns the sequences still running."""
         bs = self.pool.block_size
         for seq in list(self.running):
-            while seq in self.running and len(seq.block_table) * bs < len(seq.token_ids):
-                if self.pool.num_available():
-                    seq.block_table.append(self.pool.allocate())
+            while seq in self.running and len(seq.block_tables[0]) * bs < len(seq.token_ids):
+                if self.pool.num_available() >= len(seq.block_tables):
+                    for table in seq.block_tables:
+                        table.append(self.pool.allocate())
                 else:
                     self._preempt(self.running[-1])
         return self.running
 
     def _preempt(self, seq: Sequence) -> None:
+        self._restart(seq)
+        self.preemptions += 1
+
+    def _restart(self, seq: Sequence) -> None:
+        """seq gives back its blocks and waits first in line, to be computed again from its tokens."""
         self.running.remove(seq)
         self._free(seq)
         self.waiting.appendleft(seq)
-        self.preemptions += 1
 
     def _chunks(self) -> list[tuple[Sequence, int]]:
         """Prefill rows for this step: the next chunk of each prompt, in admission order, while the
