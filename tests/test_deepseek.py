@@ -27,7 +27,7 @@ from decoderlm.loader import load
 from decoderlm.model import Transformer
 from decoderlm.model.lora import apply_lora, lora_layers
 from decoderlm.model.mla import MLA, softmax_scale
-from decoderlm.quantize import Int8Linear
+from decoderlm.quantize import BlockLinear, Int8Linear
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
 from decoderlm.serve.paged_cache import BlockPool
@@ -213,10 +213,10 @@ def test_int8_quantized_load_keeps_kv_b_proj_in_float(pair):
     _, ours, _, folder = pair
     q, _ = load(folder, quantize="int8")
     mla = q.layers[0].self_attn
-    assert isinstance(mla.kv_b_proj, torch.nn.Linear) and isinstance(mla.kv_a_proj_with_mqa, Int8Linear)
+    assert isinstance(mla.kv_b_proj, torch.nn.Linear) and isinstance(mla.kv_a_proj_with_mqa, (Int8Linear, BlockLinear))
     ids = prompt_ids(12)
     with torch.no_grad():
-        assert (q(ids).logits - ours(ids).logits).abs().mean().item() < 0.05  # int8 weights, bf16 activations
+        assert (q(ids).logits - ours(ids).logits).abs().mean().item() < 0.05  # int8 weights (and bf16 activations in torch's kernels)
     assert len(generate(q, ids[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=4))) == 4
 
 
