@@ -190,7 +190,7 @@ def test_llama_cpp_quantized_files_give_llama_cpp_greedy_tokens(converted, tmp_p
     import llama_cpp
     from gguf import GGUFReader
 
-    from decoderlm.quantize import Int8GroupLinear, Int8Linear
+    from decoderlm.quantize import BlockLinear, Int8GroupLinear, Int8Linear
 
     out = tmp_path / f"{name}-{ftype}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
@@ -201,4 +201,4 @@ def test_llama_cpp_quantized_files_give_llama_cpp_greedy_tokens(converted, tmp_p
     for mode in (None, "auto"):
         ours, _ = load(out, quantize=mode)
         assert generate(ours, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)) == want, mode
-    assert any(isinstance(m, (Int8Linear, Int8GroupLinear)) for m in ours.modules())  # auto: on the int8 grid
+    assert any(isinstance(m, (Int8Linear, Int8GroupLinear, BlockLinear)) for m in ours.modules())  # auto: on the int8 grid
