@@ -72,6 +72,8 @@ def in_passing_thread(work: Callable[[], T]) -> T:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from decoderlm import names
+    from decoderlm.image import ImageProcessor
     from decoderlm.serve import Engine
     from decoderlm.serve.api import create_app, serve
 
@@ -86,8 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         engine, tokenizer = in_passing_thread(build)
         model = engine.model
+        folder = names.resolve(model_source(args))
+        processor = ImageProcessor.from_folder(folder) if folder.is_dir() else ImageProcessor()
         app = create_app(engine, tokenizer, model_source(args), args.api_key, max_seq_len=model.config.max_seq_len,
-                         sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser)
+                         sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser, image_processor=processor)
         host, port = sock.getsockname()[:2]
         print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()

@@ -24,7 +24,7 @@ from decoderlm.model.moe import MoE
 from decoderlm.model.mrope import mrope_cos_sin, mrope_positions
 from decoderlm.model.norm import make_norm
 from decoderlm.model.rope import attention_factor, frequencies_at, inverse_frequencies, rope_cos_sin
-from decoderlm.model.vision import Images, VisionConfig, VisionTower
+from decoderlm.model.vision import ImageEmbeds, Images, VisionConfig, VisionTower
 
 IGNORE_INDEX = -100
 
@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
-        images: Images | None = None,
+        images: Images | ImageEmbeds | None = None,
     ) -> ModelOutput:
         """input_ids (B, T) → logits (B, T, V).
 
@@ -149,12 +149,13 @@ class Transformer(nn.Module):
         compares logits at t with labels at t+1 (shifted here). logits_to_keep: only the last k rows.
         images: the vision tower's output replaces the embeddings of the image_token_id placeholders;
         with M-RoPE, positions (3, B, T) then default to the images' grid coordinates (from position 0).
+        ImageEmbeds: that output computed already, for the marked columns (give M-RoPE's positions too).
         """
         B, T = input_ids.shape
         cfg = self.config
         # A fresh unpadded sequence's last position is T - 1, known without reading a tensor (no graph break under torch.compile).
         last = T - 1 if positions is None and cache is None and attention_mask is None else None
-        if images is not None and positions is None and cfg.mrope_section:
+        if isinstance(images, Images) and positions is None and cfg.mrope_section:
             positions = mrope_positions(input_ids, images.grid_thw, cfg.image_token_id, self.visual.config.merge_size)[0]
         if positions is None:
             positions = cache.positions(T, attention_mask, input_ids.device) if cache is not None else default_positions(0, T, attention_mask, input_ids.device)
@@ -201,10 +202,12 @@ class Transformer(nn.Module):
             loss = lm_loss(logits[:, :-1], labels[:, 1:])
         return ModelOutput(logits, loss)
 
-    def splice_images(self, input_ids: torch.Tensor, x: torch.Tensor, images: Images) -> torch.Tensor:
+    def splice_images(self, input_ids: torch.Tensor, x: torch.Tensor, images: Images | ImageEmbeds) -> torch.Tensor:
         """x (B, T, D) with the image tokens' embeddings (the vision tower's, in order) at the placeholders."""
         if self.visual is None:
             raise DecoderLMError("this model has no vision tower; it reads text only, so give it no images")
+        if isinstance(images, ImageEmbeds):
+            return x.masked_scatter(images.at[..., None], images.embeds.to(x.dtype))
         at = input_ids == self.config.image_token_id  # (B, T)
         expected = sum(images.tokens(self.visual.config.merge_size))
         if int(at.sum()) != expected:

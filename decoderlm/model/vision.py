@@ -83,6 +83,15 @@ class Images:
         return (self.grid_thw.prod(-1) // merge_size**2).tolist()
 
 
+@dataclass
+class ImageEmbeds:
+    """The vision tower's output, computed already, for the True entries of `at` (B, T), row by row: what a
+    paged engine feeds when a prompt's image tokens are read over several forwards (positions given too)."""
+
+    at: torch.Tensor  # (B, T) bool
+    embeds: torch.Tensor  # (n, d_model)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, c: VisionConfig) -> None:
         super().__init__()

@@ -23,10 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.image import ImageProcessor
 from decoderlm.serve.metrics import EngineCollector, Metrics
 from decoderlm.serve.openai import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse, usage
 from decoderlm.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
-from decoderlm.serve.requests import ChoiceStreams, ServedModel
+from decoderlm.serve.requests import ChoiceStreams, ServedModel, off_thread
 
 log = logging.getLogger("decoderlm.serve")
 MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -145,13 +146,17 @@ async def stream_events(streams: ChoiceStreams, fmt: ResponseFormat, include_usa
 
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *, max_seq_len: int,
-               sampling_defaults: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES, tool_parser: str | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES, tool_parser: str | None = None,
+               image_processor: ImageProcessor | None = None) -> FastAPI:
     """The app for one started engine. sampling_defaults (the checkpoint's generation_config) fill the
     sampling parameters a request leaves out; OpenAI's defaults (temperature 1, top_p 1) fill the rest.
-    tool_parser: the format tool calls are read in (default: the one the chat template teaches)."""
+    tool_parser: the format tool calls are read in (default: the one the chat template teaches).
+    image_processor: how a vision-language model's image parts are preprocessed (default: transformers'
+    Qwen2-VL defaults)."""
     metrics = Metrics()
     metrics.registry.register(EngineCollector(engine))
-    served = ServedModel(engine, tokenizer, model_name, max_seq_len, dict(sampling_defaults or {}), metrics, tool_parser)
+    served = ServedModel(engine, tokenizer, model_name, max_seq_len, dict(sampling_defaults or {}), metrics, tool_parser,
+                         image_processor or ImageProcessor())
     app = FastAPI(title="decoderlm", summary="OpenAI-compatible API over decoderlm's batching engine")
     rejected = metrics.requests.labels("rejected").inc
 
@@ -204,7 +209,8 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *
         arrival = time.perf_counter()
         req = parse_request(await request.body(), ChatCompletionRequest)
         served.check_model(req.model)
-        streams = served.submit(req, [served.encode_chat(req)], arrival)
+        images = await off_thread(lambda: served.read_images(req)) if any(m.image_urls for m in req.messages) else None
+        streams = served.submit(req, [served.encode_chat(req, images)], arrival, images)
         fmt = ChatFormat(tokenizer, model_name, logprobs=req.logprobs, tool_parser=served.tool_parser if req.calls_tools else None,
                          max_calls=None if req.parallel_tool_calls else 1)
         return await respond(request, streams, fmt, req.stream, req.include_usage)

@@ -22,8 +22,10 @@ import torch
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
+from decoderlm.model.vision import ImageEmbeds, Images
 from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
+from decoderlm.serve.images import PromptImages
 from decoderlm.serve.paged_cache import BlockPool, PagedCache
 from decoderlm.serve.scheduler import Scheduler, Sequence
 
@@ -158,10 +160,12 @@ class Engine:
     # ---- the caller's side (any thread) ----
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, logprobs: int | None = None,
-                    request_id: str | None = None) -> RequestStream:
-        """Queue a request; its outputs arrive on the returned stream. Bad input raises here."""
+                    request_id: str | None = None, images: Images | None = None) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream. Bad input raises here. images:
+        the preprocessed images of the prompt's image placeholders, in order (a vision-language model)."""
         prompt = [int(t) for t in prompt_ids]
         check_request(self.model, prompt, params)
+        prompt_images = PromptImages.of(self.model, prompt, images) if images is not None else None
         vocab = self.model.config.vocab_size
         if len(prompt) >= self.max_len:
             raise DecoderLMError(f"the prompt has {len(prompt)} tokens but the KV cache holds {self.max_len}; "
@@ -169,7 +173,7 @@ class Engine:
         if logprobs is not None and not 0 <= logprobs <= vocab:
             raise DecoderLMError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        seq = Sequence(request_id, prompt, len(prompt), params, params.generator(self.device), logprobs)
+        seq = Sequence(request_id, prompt, len(prompt), params, params.generator(self.device), logprobs, images=prompt_images)
         stream = RequestStream(request_id)
         with self._cond:
             if self._closed:
@@ -268,10 +272,30 @@ class Engine:
         seqs, news = [seq for seq, _ in chunks], [n for _, n in chunks]
         cache = PagedCache(self.pool, [seq.block_tables for seq in seqs], [seq.num_computed for seq in seqs], news,
                            seq_lens=[len(seq.token_ids) for seq in seqs])  # LongRoPE's factors follow each row's length
-        logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1).logits[:, -1]  # (B, V)
+        inputs = self._image_inputs(chunks, T) if any(seq.images is not None for seq in seqs) else {}
+        logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1, **inputs).logits[:, -1]  # (B, V)
         for seq, n in chunks:
             self.scheduler.computed(seq, n)
         return logits
+
+    def _image_inputs(self, chunks: list[tuple[Sequence, int]], T: int) -> dict:
+        """The forward's image embeddings at the chunks' image tokens and, with M-RoPE, every row's
+        (t, h, w) positions (3, B, T): a text row's three are its plain positions."""
+        at, embeds, positions = [], [], torch.zeros(3, len(chunks), T, dtype=torch.long)
+        for b, (seq, n) in enumerate(chunks):
+            start, row = seq.num_computed, [False] * T
+            if seq.images is None:
+                positions[:, b, T - n :] = torch.arange(start, start + n)
+            else:
+                row[T - n :], e = seq.images.chunk_embeds(self.model, start, n)
+                embeds.append(e)
+                if seq.images.positions is not None:
+                    positions[:, b, T - n :] = seq.images.chunk_positions(start, n)
+            at.append(row)
+        inputs = dict(images=ImageEmbeds(torch.tensor(at, device=self.device), torch.cat(embeds)))
+        if self.model.config.mrope_section:
+            inputs["positions"] = positions.to(self.device)
+        return inputs
 
     def _emit(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """Sample each row's next token and send it; finished rows leave the batch now."""

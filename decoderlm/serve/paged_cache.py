@@ -54,9 +54,10 @@ def layer_groups(config: ModelConfig) -> list[list[int]]:
     return [layers[i : i + g] for layers in kinds.values() for i in range(0, len(layers), g)]
 
 
-def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+def block_hash(parent: bytes | None, token_ids: list[int | str]) -> bytes:
     """The name of a full block: a digest of the previous block's name and this block's ids, so
-    equal names mean equal tokens all the way from the start of the sequence."""
+    equal names mean equal tokens all the way from the start of the sequence (an image token is
+    named by its image's content hash instead of its id)."""
     h = hashlib.sha256(parent or b"")
     h.update(",".join(map(str, token_ids)).encode())
     return h.digest()

@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, and the one-line error a bad body gets.
 
 Types are strict (no "0.5" → 0.5 coercion) and ranges follow OpenAI's documentation. A field OpenAI
-has but this server cannot honour (logit_bias, echo, best_of > n, image parts, ...) is refused
+has but this server cannot honour (logit_bias, echo, best_of > n, ...) is refused
 with a 400 rather than silently ignored; so is a field OpenAI does not have, as OpenAI itself answers,
 so that a misspelled parameter never passes unnoticed.
 """
@@ -128,12 +128,18 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
 
+class ImageUrl(_Strict):
+    url: str  # a data: URL (base64); the server fetches nothing
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not read: the processor's pixel budget decides
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are read (the others carry their own fields)."""
+    """One part of a message's content: text, or an image (the others carry their own fields, refused below)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCall(_Strict):
@@ -170,15 +176,22 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+    def _known_parts(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
         for part in content if isinstance(content, list) else []:
-            if part.type in ("image_url", "image"):
-                raise ValueError("image content parts need a vision model; this model reads text only, so send text parts")
+            if part.type == "image_url":
+                if part.image_url is None or part.text is not None or set(part.model_extra or ()):
+                    raise ValueError("an image content part has exactly the fields 'type' and 'image_url' ({'url': 'data:...'})")
+                continue
             if part.type != "text":
-                raise ValueError(f"{part.type} content parts are not supported; send {{'type': 'text', 'text': ...}} parts")
-            if part.text is None or set(part.model_extra or ()):
+                raise ValueError(f"{part.type} content parts are not supported; send {{'type': 'text', 'text': ...}} or image_url parts")
+            if part.text is None or part.image_url is not None or set(part.model_extra or ()):
                 raise ValueError("a text content part has exactly the fields 'type' and 'text'")
         return content
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        return [p.image_url.url for p in self.content if p.image_url is not None] if isinstance(self.content, list) else []
 
     @field_validator("function_call")
     @classmethod
@@ -197,11 +210,12 @@ class ChatMessage(_Strict):
             raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
         return self
 
-    def for_template(self) -> dict:
+    def for_template(self, image_text: str = "") -> dict:
         """The dict a chat template expects, as transformers passes it: OpenAI's "developer" role is
-        the templates' "system"; a call's arguments are an object (the JSON text parsed)."""
+        the templates' "system"; a call's arguments are an object (the JSON text parsed); each image
+        part becomes image_text (the model's image placeholder)."""
         content = self.content
-        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        text = content if isinstance(content, str) or content is None else "".join(image_text if p.text is None else p.text for p in content)
         out = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}

@@ -9,14 +9,21 @@ refusal is about, and adds the one check the engine cannot make: that max_tokens
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.image import ImageProcessor, expand_image_tokens, image_placeholder
+from decoderlm.model.vision import Images
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve.engine import Engine, EngineClosed
+from decoderlm.serve.images import image_bytes
 from decoderlm.serve.metrics import Metrics
 from decoderlm.serve.protocol import ChatCompletionRequest, GenerationRequest, RequestError
 from decoderlm.serve.text import Delta, Timing, text_deltas
@@ -37,8 +44,37 @@ class Choice:
     text: list[str] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
     finish_reason: str | None = None
+    images: Images | None = None  # the prompt's images, for its image placeholders
     request_id: str | None = None  # set once the engine has accepted it
     engine_done: bool = False  # the engine sent its final output (nothing to abort)
+
+
+T = TypeVar("T")
+
+
+async def off_thread(work: Callable[[], T]) -> T:
+    """work() on a thread of its own that ends afterwards, awaited: torch work on a living thread keeps an
+    OpenMP pool that slows the engine's (decoderlm.cli.serve.in_passing_thread says why)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result, error = work(), None
+        except BaseException as e:  # handed to the awaiting route
+            result, error = None, e
+        loop.call_soon_threadsafe(settle, result, error)
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # the route was cancelled meanwhile
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    threading.Thread(target=run, name="decoderlm-images", daemon=True).start()
+    return await done
 
 
 class ServedModel:
@@ -46,8 +82,9 @@ class ServedModel:
     sampling defaults and the server's metrics."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, image_processor: ImageProcessor | None = None) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.image_processor = image_processor if engine.model.visual is not None else None
         self.max_seq_len, self.defaults, self.metrics = max_seq_len, defaults, metrics
         self.stop_token_ids = list(tokenizer.eos_token_ids)
         self.created = int(time.time())
@@ -63,10 +100,34 @@ class ServedModel:
         """Text as token ids; ids as they are (the engine checks them)."""
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [m.for_template() for m in req.messages]
+    def read_images(self, req: ChatCompletionRequest) -> Images | None:
+        """The request's image parts decoded and preprocessed, in order (None: it has none). Torch work:
+        call it through `off_thread`."""
+        parts = [(f"messages.{i}.content", url) for i, m in enumerate(req.messages) for url in m.image_urls]
+        if not parts:
+            return None
+        if self.image_processor is None:
+            raise RequestError(f"image content parts need a vision model; {self.name} reads text only, so send text parts", parts[0][0])
+        pixels, grids = [], []
+        for param, url in parts:
+            try:
+                one = self.image_processor([image_bytes(url)])
+            except DecoderLMError as e:
+                raise RequestError(f"{param}: {e}", param) from None
+            pixels.append(one.pixel_values)
+            grids.append(one.grid_thw)
+        return Images(torch.cat(pixels), torch.cat(grids))
+
+    def encode_chat(self, req: ChatCompletionRequest, images: Images | None = None) -> list[int]:
+        """The chat template's prompt; each image part's placeholder repeated once per token of its image."""
+        model = self.engine.model
+        placeholder = image_placeholder(self.tokenizer, model.config.image_token_id) if images is not None else ""
+        messages = [m.for_template(placeholder) for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.template_tools())
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        if images is not None:
+            ids = expand_image_tokens(ids, model.config.image_token_id, images.tokens(model.visual.config.merge_size))
+        return ids
 
     def grammar(self, req: GenerationRequest) -> str | None:
         """The grammar a chat request's answer must follow: its forced tool calls, or its response_format."""
@@ -95,8 +156,9 @@ class ServedModel:
             param = "tools" if isinstance(req, ChatCompletionRequest) and req.forced_tools else "response_format"
             raise RequestError(f"{param}: {e}", param) from None
 
-    def submit(self, req: GenerationRequest, prompts: list[list[int]], arrival: float) -> ChoiceStreams:
-        """Start req.n choices per prompt; seeded requests give choice i the seed seed + i."""
+    def submit(self, req: GenerationRequest, prompts: list[list[int]], arrival: float, images: Images | None = None) -> ChoiceStreams:
+        """Start req.n choices per prompt; seeded requests give choice i the seed seed + i. images: the
+        (single) prompt's."""
         values = self.defaults | req.sampling_values()
         stop_ids = [] if req.ignore_eos else self.stop_token_ids
         max_tokens = req.max_new_tokens
@@ -115,7 +177,7 @@ class ServedModel:
                                             logits_processors=processors, **values)
                 except DecoderLMError as e:  # a checkpoint default the request did not override
                     raise RequestError(str(e)) from None
-                choices.append(Choice(p * req.n + i, p, ids, params, Timing(arrival)))
+                choices.append(Choice(p * req.n + i, p, ids, params, Timing(arrival), images=images))
         return ChoiceStreams(self, choices, req.stop_strings, req.engine_logprobs, req.prompt_param)
 
 
@@ -130,7 +192,7 @@ class ChoiceStreams:
         try:  # every request is added before any is awaited, so a refused one is a 400 before streaming
             for c in choices:
                 request_id = uuid.uuid4().hex
-                outputs = served.engine.add_request(c.prompt_ids, c.params, logprobs=logprobs, request_id=request_id)
+                outputs = served.engine.add_request(c.prompt_ids, c.params, logprobs=logprobs, request_id=request_id, images=c.images)
                 c.request_id = request_id
                 self.streams.append(text_deltas(outputs, served.tokenizer, stops, c.timing))
         except EngineClosed:  # not the client's mistake: the server is going away, retry elsewhere

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoderlm.sampling import SamplingParams
+from decoderlm.serve.images import PromptImages
 from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, block_hash
 
 
@@ -61,6 +62,12 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys/values are in the pool
     num_dropped: list[int] = field(default_factory=list)  # per group, leading blocks given back: no query can see them any more
     long_rope: bool = False  # its keys are computed with LongRoPE's long factors: it was past the switch when admitted
+    images: PromptImages | None = None  # the prompt's images, for a vision-language model
+
+    def keys(self, start: int, end: int) -> list[int | str]:
+        """What names tokens start .. end in the prefix cache: their ids, an image token its image's content hash."""
+        ids = self.token_ids[start:end]
+        return ids if self.images is None else [self.images.keys.get(j, t) for j, t in enumerate(ids, start)]
 
     @property
     def num_generated(self) -> int:
@@ -115,7 +122,7 @@ class Scheduler:
         if self.prefix_caching:
             computed = min(seq.num_computed, seq.prompt_len) if self.min_chunk > 1 else seq.num_computed
             for i in range(len(seq.block_hashes), computed // bs):
-                h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs])
+                h = block_hash(seq.block_hashes[-1] if i else self._root(seq), seq.keys(i * bs, (i + 1) * bs))
                 seq.block_hashes.append(h)
                 for g, table in enumerate(seq.block_tables):
                     if table[i] != NULL_BLOCK:  # a given-back block is no longer this table's to name
@@ -179,7 +186,7 @@ class Scheduler:
             return []
         bs, hashes, n = self.pool.block_size, [], len(seq.token_ids)
         for i in range((n - (self.min_chunk if n >= self.min_chunk else 1)) // bs):
-            hashes.append(block_hash(hashes[-1] if i else self._root(seq), seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(block_hash(hashes[-1] if i else self._root(seq), seq.keys(i * bs, (i + 1) * bs)))
         return hashes
 
     def _hits(self, hashes: list[bytes]) -> list[list[int]]:
