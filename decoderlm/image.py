@@ -74,24 +74,31 @@ class ImageProcessor:
 
     def __call__(self, images: list[Any]) -> Images:
         """Images (paths, bytes or PIL images) → pixel_values (N, C·t·p·p) and grid_thw (n, 3)."""
+        return self.pixels([self.resized(open_image(image)) for image in images])
+
+    def pixels(self, resized: list[torch.Tensor]) -> Images:
+        """Resized images (3, H, W) uint8 → pixel_values and grid_thw (training data keeps images resized, as bytes)."""
         patches, grids = [], []
-        for image in images:
-            x, grid = self.patchify(self.normalized(open_image(image)))
+        for x in resized:
+            x, grid = self.patchify(self.normalize(x))
             patches.append(x)
             grids.append(grid)
         return Images(torch.cat(patches), torch.tensor(grids))
 
-    def normalized(self, image: Any) -> torch.Tensor:
-        """RGB, resized, scaled and normalized: (3, H, W) float32."""
+    def resized(self, image: Any) -> torch.Tensor:
+        """RGB (transparency over white, as transformers does), resized: (3, H, W) uint8."""
         from PIL import Image
 
-        if "A" in image.getbands() or image.info.get("transparency") is not None:  # over white, as transformers does
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
             image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
         image = image.convert("RGB")
         h, w = self.resized_size(image.height, image.width)
         image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
-        x = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3).permute(2, 0, 1)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """(3, H, W) uint8 → scaled and normalized float32."""
         x = (x.double() * self.rescale_factor).float()  # float64 then float32, as transformers rounds
         return (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
 

@@ -10,7 +10,8 @@ from decoderlm.train.prepare import SHARD_TOKENS, prepare
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize text files / folders / JSONL into token shards for train --data")
-    p.add_argument("--data", nargs="+", required=True, help="text files, folders of them, or JSONL files (a `text` field per line)")
+    p.add_argument("--data", nargs="+", required=True, help="text files, folders of them, or JSONL files (a `text` field per line; or "
+                   "image, prompt and answer fields: image+text data, with --tokenizer bpe:N or a vision-language model)")
     p.add_argument("--out", required=True, help="new folder for the shards, tokenizer and manifest.json")
     p.add_argument("--tokenizer", default="char", help="char, bpe:VOCAB (train a byte-level BPE, e.g. bpe:2048), "
                    "or a model (run folder, HF folder, .gguf, known name) whose tokenizer to use (default: char)")
@@ -24,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     manifest = prepare(args.data, args.out, args.tokenizer, args.val_fraction, args.workers, args.shard_tokens)
     splits = manifest["splits"]
+    if "examples" in splits["train"]:
+        print(f"{args.out}: {splits['train']['examples']:,} train + {splits['val']['examples']:,} val image+text examples "
+              f"({splits['train']['images']:,} + {splits['val']['images']:,} images, vocab {manifest['vocab_size']:,}, "
+              f"image token {manifest['image_token_id']})")
+        return 0
     print(f"{args.out}: {splits['train']['tokens']:,} train + {splits['val']['tokens']:,} val tokens "
           f"({manifest['dtype']}, vocab {manifest['vocab_size']:,}, {len(manifest['sources'])} source files)")
     return 0

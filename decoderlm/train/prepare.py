@@ -7,6 +7,8 @@
       train_0000.bin ...   uint16 (vocab < 65536) or uint32 token ids, memmapped by training
       val_0000.bin ...
 
+A JSONL of (image, prompt, answer) records is prepared as image+text data instead (decoderlm.train.image_text).
+
 Sources are text files, folders of them (*.txt, *.md, *.jsonl, recursively, in name order) and JSONL
 files whose lines carry a `text` field; each file or JSONL record is one document, and documents are
 joined by the tokenizer's end-of-text token (a newline for a char vocabulary). The corpus is
@@ -33,6 +35,7 @@ from decoderlm.formats.runs import tokenizer_from_dict, tokenizer_to_dict
 from decoderlm.tokenizer import CharTokenizer
 from decoderlm.tokenizer.bpe import HFTokenizer
 from decoderlm.train.data import MANIFEST, VAL_FRACTION, read_manifest, token_dtype
+from decoderlm.train.image_text import is_image_text, is_image_text_dir, prepare_image_text
 
 CHUNK_BYTES = 1 << 20
 SHARD_TOKENS = 100_000_000
@@ -236,6 +239,8 @@ def prepare(paths: list[str], out: str | Path, tokenizer: str = "char", val_frac
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DecoderLMError(f"--out {out} exists and is not an empty folder; choose a new folder for the data")
     files = source_files(paths)
+    if is_image_text(files):
+        return prepare_image_text(files[0], out, tokenizer, val_fraction)
     tok = make_tokenizer(tokenizer, files, val_fraction)
     dtype = token_dtype(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,6 +283,8 @@ class _nullpool:
 
 def load_tokenizer(data_dir: str | Path) -> CharTokenizer | HFTokenizer:
     """The tokenizer a prepared folder was written with."""
+    if is_image_text_dir(data_dir):
+        return HFTokenizer.from_hf_folder(data_dir)
     manifest = read_manifest(data_dir)
     if manifest["tokenizer"]["type"] == "char":
         return tokenizer_from_dict(manifest["tokenizer"])

@@ -13,6 +13,7 @@ import numpy as np
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.jsonio import read_json
 from decoderlm.formats import runs
 from decoderlm.tokenizer import CharTokenizer, Tokenizer
 from decoderlm.train import checkpoint, distributed
@@ -29,6 +30,7 @@ from decoderlm.train.data import (
     write_splits,
 )
 from decoderlm.train.distributed import World
+from decoderlm.train.image_text import ImageTextSplit, check_model, is_image_text_dir, open_image_text
 
 RESUME_KEYS = ("optimizer", "rng", "train_config", "history", "window")
 # What a run writes into its folder; a new run may start over these (a run killed before its first
@@ -56,7 +58,8 @@ def open_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Train
     cfg, notes = resolve_resume(cfg, TrainConfig(**saved), state["step"])
     tokenizer = runs.tokenizer_from_dict(state["tokenizer"])
     splits = read_data(cfg, out, tokenizer)
-    check_sizes(max(map(len, splits[0])), sum(map(len, splits[1])), cfg.context, cfg.eval_batches, f"run folder {out}")
+    if not isinstance(splits[0], ImageTextSplit):
+        check_sizes(max(map(len, splits[0])), sum(map(len, splits[1])), cfg.context, cfg.eval_batches, f"run folder {out}")
     if world.main:
         for note in notes:
             print(note, file=sys.stderr)
@@ -72,8 +75,10 @@ def renamed_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return old | {"dtype": {"fp32": "float32", "bf16": "bfloat16"}.get(settings["precision"], settings["precision"])}
 
 
-def read_data(cfg: TrainConfig, out: Path, tokenizer: Tokenizer) -> tuple[Split, Split]:
-    """A run's splits: the prepared folder's shards, or the train.bin / val.bin the run wrote."""
+def read_data(cfg: TrainConfig, out: Path, tokenizer: Tokenizer) -> tuple[Split, Split] | tuple[ImageTextSplit, ImageTextSplit]:
+    """A run's splits: the prepared folder's shards or image+text examples, or the train.bin / val.bin the run wrote."""
+    if is_image_text_dir(cfg.data):
+        return open_image_text(cfg.data)[1:]
     if cfg.data is not None and is_data_dir(cfg.data):
         return open_data_dir(cfg.data)
     return load_splits(out, token_dtype(tokenizer.vocab_size))
@@ -99,9 +104,12 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
             raise DecoderLMError(f"{cfg.data} was tokenized with another tokenizer than {cfg.init_from}'s; "
                                  f"run decoderlm prepare --tokenizer {cfg.init_from} for it")
         tokenizer = data_tokenizer
-        splits = open_data_dir(cfg.data)
-        check_sizes(max(map(len, splits[0]), default=0), sum(map(len, splits[1])), cfg.context, cfg.eval_batches,
-                    f"data folder {cfg.data}")
+        if is_image_text_dir(cfg.data):
+            manifest, *splits = open_image_text(cfg.data)
+        else:
+            splits = open_data_dir(cfg.data)
+            check_sizes(max(map(len, splits[0]), default=0), sum(map(len, splits[1])), cfg.context, cfg.eval_batches,
+                        f"data folder {cfg.data}")
     else:
         text = read_corpus(cfg.data)
         if init is None:
@@ -122,14 +130,18 @@ def start_run(cfg: TrainConfig, out: Path, world: World = World()) -> tuple[Trai
         config = dataclasses.replace(init.config, dropout=cfg.dropout)
         state["init"] = {k: v.float() for k, v in init.state_dict().items()}
     else:
-        config = model_config(cfg, tokenizer.vocab_size)
-    return cfg, {**state, "config": config.to_dict()}, tokenizer, splits
+        images = is_image_text_dir(cfg.data)
+        config = model_config(cfg, tokenizer.vocab_size, **({"image_token_id": manifest["image_token_id"]} if images else {}))
+    if is_image_text_dir(cfg.data):
+        check_model(config, manifest, cfg.context, f"data folder {cfg.data}")
+    return cfg, {**state, "config": config.to_dict()}, tokenizer, tuple(splits)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """--preset or --config, with --set applied; the vocabulary from the tokenizer, the length from --context."""
-    base = ModelConfig.from_json(cfg.config).to_dict() if cfg.config else ModelConfig.from_preset(cfg.preset).to_dict()
-    fields = base | parse_sets(cfg.set) | {"vocab_size": vocab_size, "max_seq_len": cfg.context, "dropout": cfg.dropout}
+def model_config(cfg: TrainConfig, vocab_size: int, **from_data: Any) -> ModelConfig:
+    """--preset or --config, with --set applied; the vocabulary from the tokenizer, the length from --context,
+    and what the data fixes (image+text data: the image token); a --config file may leave these out."""
+    base = read_json(cfg.config, "ModelConfig file", "give a file of ModelConfig fields") if cfg.config else ModelConfig.from_preset(cfg.preset).to_dict()
+    fields = base | parse_sets(cfg.set) | {"vocab_size": vocab_size, "max_seq_len": cfg.context, "dropout": cfg.dropout} | from_data
     return ModelConfig.from_dict(fields)
 
 

@@ -28,6 +28,7 @@ from decoderlm.tokenizer import Tokenizer
 from decoderlm.train import checkpoint, distributed
 from decoderlm.train.config import FIELDS, TrainConfig, run_folder
 from decoderlm.train.distributed import World
+from decoderlm.train.image_text import ImageTextObjective, ImageTextSplit
 from decoderlm.train.logs import ProgressBar, Throughput, log_row, save_logs
 from decoderlm.train.objective import LMObjective, Objective
 from decoderlm.train.optim import make_optimizer
@@ -114,7 +115,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             model.load_state_dict(state.pop("init"))
         if world.rank:
             torch.manual_seed(cfg.seed + world.rank)  # dropout differs per process; the weights above do not
-        objective = LMObjective(train_data, val_data, cfg, world, device)
+        kind = ImageTextObjective if isinstance(train_data, ImageTextSplit) else LMObjective
+        objective = kind(train_data, val_data, cfg, world, device)
         result = fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
         distributed.barrier(world)  # leave together: a process that tears down while a peer still saves aborts
         return result

@@ -1,0 +1,97 @@
+"""Image + text data: `decoderlm prepare` on a JSONL of (image, prompt, answer) records, `decoderlm train` on it with a
+tiny Qwen2-VL-shaped config (loss on the answers only), and the run folder answering through `generate(images=...)`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import decoderlm.cli as cli
+from decoderlm import load
+from decoderlm.generate import generate
+from decoderlm.image import ImageProcessor
+from decoderlm.model.transformer import IGNORE_INDEX
+from decoderlm.sampling import SamplingParams
+from decoderlm.train.image_text import encode, open_image_text
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220)}
+VLM = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, norm="rmsnorm", mlp="swiglu", position="rope", tie_embeddings=True,
+           mrope_section=[2, 3, 3], vision=dict(kind="qwen2_vl", depth=1, width=32, n_heads=2, ffn_hidden=64))
+
+
+def write_records(folder: Path, n: int) -> Path:
+    """n solid-colour 56 × 56 images, each asked its colour."""
+    lines = []
+    for i in range(n):
+        name = list(COLOURS)[i % 3]
+        Image.new("RGB", (56, 56), COLOURS[name]).save(folder / f"{i}.png")
+        lines.append(json.dumps({"image": f"{i}.png", "prompt": "what colour is it?", "answer": name}))
+    (folder / "qa.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "qa.jsonl"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    assert cli.main(["prepare", "--data", str(write_records(src, 30)), "--out", str(out), "--tokenizer", "bpe:300", "--val-fraction", "0.2"]) == 0
+    return src, out
+
+
+def test_prepared_examples_are_the_chat_prompt_then_the_answer(prepared):
+    src, out = prepared
+    manifest, train, val = open_image_text(out)
+    assert (manifest["splits"]["train"]["examples"], manifest["splits"]["val"]["examples"]) == (24, 6)
+    assert len(train.images) == 24 and train.images[0].shape == (3, 56, 56) and train.images[0].dtype == torch.uint8
+    tok = load_tokenizer(out)
+    image, start, *ids = train.examples[0]
+    assert ids[start:] == tok.encode("red", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    head = tok.encode("<|im_start|>user\n<|vision_start|>", add_special_tokens=False)
+    assert ids[: len(head)] == head and ids.count(manifest["image_token_id"]) == 4
+    x, y, images = train.batch([0, 1])
+    assert (y[0] != IGNORE_INDEX).sum() == len(ids) - start  # the answer and the end of its turn, nothing else
+    assert images.grid_thw.tolist() == [[1, 4, 4]] * 2
+    assert torch.equal(images.pixel_values[:16], ImageProcessor()([src / "0.png"]).pixel_values)
+
+
+def load_tokenizer(out: Path):
+    from decoderlm.train.prepare import load_tokenizer
+
+    return load_tokenizer(out)
+
+
+def test_char_tokenizer_is_refused_for_image_data(tmp_path, capsys):
+    assert cli.main(["prepare", "--data", str(write_records(tmp_path, 3)), "--out", str(tmp_path / "o")]) == 2
+    assert "image+text data needs a tokenizer with an image token" in capsys.readouterr().err
+
+
+def test_train_a_tiny_vlm_on_image_data_and_answer_with_images(prepared, tmp_path):
+    src, out = prepared
+    (tmp_path / "vlm.json").write_text(json.dumps(VLM))
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(out), "--config", str(tmp_path / "vlm.json"), "--out", str(run), "--max-steps", "200", "--batch-size", "8",
+            "--context", "40", "--lr", "3e-3", "--warmup", "5", "--eval-interval", "200", "--log-interval", "200"]
+    assert cli.main(argv) == 0
+    log = json.loads((run / "log.json").read_text())
+    assert log[-1]["val_loss"] < 0.1  # three colours, seen through the vision tower
+    model, tok = load(run)
+    assert model.visual is not None
+    manifest = open_image_text(out)[0]
+    for i, colour in ((24, "red"), (25, "green"), (26, "blue")):  # held out
+        ids = encode(tok, {"prompt": "what colour is it?", "answer": ""}, 4, manifest["image_token_id"])
+        prompt = ids[1 : ids[0] + 1]
+        answer = generate(model, prompt, SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=tok.eos_token_ids),
+                          images=ImageProcessor()([src / f"{i}.png"]))
+        assert tok.decode(answer) == colour
+
+
+def test_a_context_too_short_for_the_examples_is_refused(prepared, tmp_path, capsys):
+    _, out = prepared
+    (tmp_path / "vlm.json").write_text(json.dumps(VLM))
+    assert cli.main(["train", "--data", str(out), "--config", str(tmp_path / "vlm.json"), "--out", str(tmp_path / "r"), "--context", "8"]) == 2
+    assert "more than --context 8 + 1; give --context" in capsys.readouterr().err
+
