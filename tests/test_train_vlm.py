@@ -95,3 +95,13 @@ def test_a_context_too_short_for_the_examples_is_refused(prepared, tmp_path, cap
     assert cli.main(["train", "--data", str(out), "--config", str(tmp_path / "vlm.json"), "--out", str(tmp_path / "r"), "--context", "8"]) == 2
     assert "more than --context 8 + 1; give --context" in capsys.readouterr().err
 
+
+def test_an_image_text_run_resumes(prepared, tmp_path):
+    _, out = prepared
+    (tmp_path / "vlm.json").write_text(json.dumps(VLM))
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(out), "--config", str(tmp_path / "vlm.json"), "--out", str(run), "--batch-size", "4", "--context", "40",
+            "--eval-interval", "2", "--log-interval", "1", "--sample-chars", "0"]
+    assert cli.main(argv + ["--max-steps", "2"]) == 0
+    assert cli.main(["train", "--out", str(run), "--resume", "--max-steps", "4", "--sample-chars", "0"]) == 0
+    assert [r["step"] for r in json.loads((run / "log.json").read_text())][-1] == 4
