@@ -105,3 +105,58 @@ def test_an_image_text_run_resumes(prepared, tmp_path):
     assert cli.main(argv + ["--max-steps", "2"]) == 0
     assert cli.main(["train", "--out", str(run), "--resume", "--max-steps", "4", "--sample-chars", "0"]) == 0
     assert [r["step"] for r in json.loads((run / "log.json").read_text())][-1] == 4
+
+
+@pytest.fixture(scope="module")
+def quick_benchmark(tmp_path_factory):
+    """benchmarks/tiny_vlm.py --quick: both models trained a few steps through prepare and train, answers, JSON and picture."""
+    import subprocess
+    import sys
+
+    work = tmp_path_factory.mktemp("tiny_vlm") / "work"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/tiny_vlm.py", "--quick", "--threads", "1", "--work", str(work)], cwd=root,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return work, json.loads((work / "tiny_vlm.json").read_text())
+
+
+def test_tiny_vlm_benchmark_quick_run(quick_benchmark):
+    work, result = quick_benchmark
+    assert set(result["accuracy"]) == {"vlm", "text_only", "chance"}
+    assert set(result["accuracy"]["vlm"]) == {"colour", "count", "left_of", "all"}
+    assert result["model"]["vision_parameters"] > 0 and result["machine"]["cpus"] and (work / "tiny_vlm.png").stat().st_size > 1000
+    assert len(result["examples"]) == 9 and result["task"]["test_questions"] == 18
+
+
+def test_chat_image_on_the_benchmarks_vlm_gives_its_answer(quick_benchmark, monkeypatch):
+    """`decoderlm chat --model RUN --image ...` on the run folder the benchmark trained: the benchmark's own answer."""
+    from decoderlm.cli import chat
+
+    work, result = quick_benchmark
+    example = result["examples"][0]
+    replies = []
+    monkeypatch.setattr(chat, "print_stream", lambda tok, tokens, prompt: replies.append(tok.decode(list(tokens)).strip()))
+    argv = ["chat", "--model", str(work / "vlm"), "--image", str(work / example["image"]), "--message", example["prompt"],
+            "--temperature", "0", "--max-new-tokens", "4"]
+    assert cli.main(argv) == 0
+    assert replies == [example["vlm"]]
+
+
+def test_serve_image_parts_on_the_benchmarks_vlm_give_its_answers(quick_benchmark):
+    import base64
+
+    import openai
+    from serve_helpers import ServerProcess
+
+    work, result = quick_benchmark
+    server = ServerProcess("--model", str(work / "vlm"), "--max-batch", "4", "--kv-cache-memory", "4MiB")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        for example in result["examples"][:3]:
+            url = "data:image/png;base64," + base64.b64encode((work / example["image"]).read_bytes()).decode()
+            reply = client.chat.completions.create(model=str(work / "vlm"), max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": example["prompt"]}]}])
+            assert reply.choices[0].message.content.strip() == example["vlm"]
+    finally:
+        server.stop()
