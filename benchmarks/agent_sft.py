@@ -1,6 +1,6 @@
 """An agent that learns: SmolLM2-135M-Instruct fine-tuned (LoRA) to call tools, judged through the server.
 
-A few hundred tool-use conversations are synthesized: arithmetic and unit conversions answered through
+Tool-use conversations are synthesized (--train, 96 by default): arithmetic and unit conversions answered through
 a `calculator` tool, and look-ups (a city's population, an element's atomic number) through a `lookup`
 tool over a small local table. Each is user question → assistant call → tool result → assistant answer.
 SmolLM2's chat template has no tool section, so the server shows it the tools through decoderlm's
@@ -13,12 +13,17 @@ Then the agent loop runs through `decoderlm serve` with the official `openai` cl
 questions (new numbers, and cities and elements never seen in training): send the question with the
 tools → the model calls a tool → this script runs it → sends the result → the model answers. The first
 turn uses the mode's tool_choice ("auto", or "required", which the server enforces by a grammar); later
-turns use "auto"; each task needs one call, so `parallel_tool_calls` is false. Reported per mode, before and after fine-tuning:
+turns use "auto"; each task needs one call, so `parallel_tool_calls` is false. Reported per mode,
+before and after fine-tuning:
 - well_formed_calls: the first turn is a call to a known tool whose arguments are valid under its schema;
 - right_tool_result: the first call's result is the question's answer (right tool, right arguments);
 - correct_answers: the final answer (the first turn without calls, within 3 turns) states the answer.
 
     python benchmarks/agent_sft.py [--threads 2] [--quick]     # → benchmarks/results/agent_sft.json
+
+The recorded run (the defaults: 96 conversations, one epoch of 24 steps of 4, 12 held-out questions)
+took 28 min on 2 cores shared with other jobs (load ~6; training 18 min at ~45 s a step, each of the
+four evaluations 1-3 min). --train 192 --steps 48 --test 24 is the size meant for a quiet machine (not measured).
 
 --quick trains a handful of steps on a few conversations and asks a few questions (a smoke test of the
 pipeline, not a measurement); it writes nothing unless --out is given.
@@ -314,9 +319,9 @@ def table(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", type=int, default=192, help="training conversations")
-    ap.add_argument("--test", type=int, default=24, help="held-out questions")
-    ap.add_argument("--steps", type=int, default=48, help=f"optimizer steps of {BATCH} conversations")
+    ap.add_argument("--train", type=int, default=96, help="training conversations")
+    ap.add_argument("--test", type=int, default=12, help="held-out questions")
+    ap.add_argument("--steps", type=int, default=24, help=f"optimizer steps of {BATCH} conversations (default: one epoch)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke test: 8 conversations, 2 steps, 3 questions")
     ap.add_argument("--out", default=None, help=f"JSON path (default: {RESULTS.relative_to(ROOT)}; none with --quick)")
