@@ -103,6 +103,7 @@ def test_parse_size(text, size):
     (["serve", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["serve", "--kv-cache-memory", "0MiB"], "--kv-cache-memory"),
     (["serve", "--max-batch", "0"], "--max-batch"),
+    (["serve", "--grammar-timeout", "0"], "--grammar-timeout"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--host", "not a host"], "cannot listen"),
 ])

@@ -150,3 +150,23 @@ def test_the_clients_own_call_message_goes_back_with_the_result(smol):
     messages = ASK + [first.message, {"role": "tool", "tool_call_id": call.id, "content": "21 °C, sunny"}]
     r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=16, temperature=0).choices[0]
     assert r.message.content and r.finish_reason in ("stop", "length")
+
+
+def test_a_grammar_too_slow_to_compile_is_a_400_after_the_bound(smol):
+    """A schema llguidance needs ~0.5 s to compile (a thousand alternatives, each with its own pattern)
+    against a bound of 0.05 s: a 400 that names the bound, and the same at once when it is sent again."""
+    _, model, tok = smol
+    engine = Engine(model, max_batch=1)
+    engine.start()
+    server = ThreadServer(create_app(engine, tok, NAME, max_seq_len=model.config.max_seq_len, grammar_timeout=0.05))
+    slow = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^x{{{i}}}y+$"}}, "required": [f"k{i}"]}
+                      for i in range(1000)]}
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(openai.BadRequestError) as e:
+                ask(client, response_format={"type": "json_schema", "json_schema": {"name": "slow", "schema": slow}})
+            assert e.value.param == "response_format" and "longer than 0.05 s to compile" in e.value.body["message"]
+    finally:
+        server.stop()
+        engine.shutdown()

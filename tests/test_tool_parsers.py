@@ -31,6 +31,13 @@ CASES = {
         ('[{"name": "f", "arguments": {"n": [1, {"m": 2}]}}]', "", [("f", {"n": [1, {"m": 2}]})]),
         ("[1, 2]", "[1, 2]", []),
         ("The token [TOOL_CALLS] starts calls.", "The token [TOOL_CALLS] starts calls.", []),
+        # the newer format: the tag and the name before each call's arguments object
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [("get_weather", {"city": "Paris"})]),
+        ('Sure. [TOOL_CALLS]f[ARGS]{"x": [1, "]}"], "y": {"z": null}}\n[TOOL_CALLS]g.v-2[ARGS] {}', "Sure.",
+         [("f", {"x": [1, "]}"], "y": {"z": None}}), ("g.v-2", {})]),
+        ("Write [TOOL_CALLS]name[ARGS] then the JSON.", "Write [TOOL_CALLS]name[ARGS] then the JSON.", []),
+        ("[TOOL_CALLS]not a call[ARGS]{}", "[TOOL_CALLS]not a call[ARGS]{}", []),
+        ("[TOOL_CALLS]f[ARG", "[TOOL_CALLS]f[ARG", []),
     ],
 }
 CASES["generic"] = CASES["hermes"]
@@ -87,7 +94,7 @@ def test_random_splits(case, cuts):
 
 
 @settings(max_examples=100, deadline=None)
-@given(fmt=st.sampled_from(sorted(CASES)), text=st.text(alphabet='<>{}[]";,:/\\ \n abc_nametoolcall|TOOLCALS', max_size=60),
+@given(fmt=st.sampled_from(sorted(CASES)), text=st.text(alphabet='<>{}[]";,:/\\ \n abc_nametoolcall|TOOLCALSRG', max_size=60),
        cuts=st.lists(st.integers(0, 60), max_size=6))
 def test_any_text_any_split(fmt, text, cuts):
     """Arbitrary text made of the formats' own characters: streaming and whole agree, and with no

@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV-cache pool size, e.g. 512MiB, 1GiB, 2GB (default: the engine's)")
     p.add_argument("--tool-parser", choices=sorted(FORMATS), default=None,
                    help="the format tool calls are read in (default: the one the chat template teaches; generic without a tool section)")
+    p.add_argument("--grammar-timeout", type=float, default=None,
+                   help="seconds a request's JSON schema or tool grammar may take to compile before it is refused with a 400 (default: 5)")
     add_model_flags(p, quantize="auto")
     p.set_defaults(func=cmd_serve)
 
@@ -77,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from decoderlm.serve import Engine
     from decoderlm.serve.api import create_app, serve
 
+    if args.grammar_timeout is not None and not args.grammar_timeout > 0:
+        raise DecoderLMError(f"--grammar-timeout must be a positive number of seconds, got {args.grammar_timeout}")
     if args.max_batch < 1:
         raise DecoderLMError(f"--max-batch must be a positive integer, got {args.max_batch}")
     memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
@@ -91,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         folder = names.resolve(model_source(args))
         processor = ImageProcessor.from_folder(folder) if folder.is_dir() else ImageProcessor()
         app = create_app(engine, tokenizer, model_source(args), args.api_key, max_seq_len=model.config.max_seq_len,
-                         sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser, image_processor=processor)
+                         sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser, image_processor=processor,
+                         grammar_timeout=args.grammar_timeout)
         host, port = sock.getsockname()[:2]
         print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()

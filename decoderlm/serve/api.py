@@ -147,16 +147,17 @@ async def stream_events(streams: ChoiceStreams, fmt: ResponseFormat, include_usa
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *, max_seq_len: int,
                sampling_defaults: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES, tool_parser: str | None = None,
-               image_processor: ImageProcessor | None = None) -> FastAPI:
+               image_processor: ImageProcessor | None = None, grammar_timeout: float | None = None) -> FastAPI:
     """The app for one started engine. sampling_defaults (the checkpoint's generation_config) fill the
     sampling parameters a request leaves out; OpenAI's defaults (temperature 1, top_p 1) fill the rest.
     tool_parser: the format tool calls are read in (default: the one the chat template teaches).
     image_processor: how a vision-language model's image parts are preprocessed (default: transformers'
-    Qwen2-VL defaults)."""
+    Qwen2-VL defaults). grammar_timeout: seconds a request's schema or tool grammar may take to compile,
+    then a 400 (default: 5)."""
     metrics = Metrics()
     metrics.registry.register(EngineCollector(engine))
     served = ServedModel(engine, tokenizer, model_name, max_seq_len, dict(sampling_defaults or {}), metrics, tool_parser,
-                         image_processor or ImageProcessor())
+                         image_processor or ImageProcessor(), grammar_timeout)
     app = FastAPI(title="decoderlm", summary="OpenAI-compatible API over decoderlm's batching engine")
     rejected = metrics.requests.labels("rejected").inc
 
@@ -210,6 +211,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, *
         req = parse_request(await request.body(), ChatCompletionRequest)
         served.check_model(req.model)
         images = await off_thread(lambda: served.read_images(req)) if any(m.image_urls for m in req.messages) else None
+        await served.compile_grammar(req)
         streams = served.submit(req, [served.encode_chat(req, images)], arrival, images)
         fmt = ChatFormat(tokenizer, model_name, logprobs=req.logprobs, tool_parser=served.tool_parser if req.calls_tools else None,
                          max_calls=None if req.parallel_tool_calls else 1)

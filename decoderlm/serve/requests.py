@@ -32,6 +32,9 @@ from decoderlm.tools.grammar import GrammarError, Grammars, json_schema_grammar,
 from decoderlm.tools.parsers import parser_name_for
 
 
+GRAMMAR_TIMEOUT = 5.0  # seconds a schema or tool grammar may take to compile before the request is refused
+
+
 @dataclass
 class Choice:
     """One choice of a response: its prompt, sampling parameters and what it has produced so far."""
@@ -82,14 +85,15 @@ class ServedModel:
     sampling defaults and the server's metrics."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, name: str, max_seq_len: int, defaults: dict, metrics: Metrics,
-                 tool_parser: str | None = None, image_processor: ImageProcessor | None = None) -> None:
+                 tool_parser: str | None = None, image_processor: ImageProcessor | None = None,
+                 grammar_timeout: float | None = None) -> None:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.image_processor = image_processor if engine.model.visual is not None else None
         self.max_seq_len, self.defaults, self.metrics = max_seq_len, defaults, metrics
         self.stop_token_ids = list(tokenizer.eos_token_ids)
         self.created = int(time.time())
         self.tool_parser = tool_parser or parser_name_for(tokenizer.chat_template)
-        self.grammars = Grammars(tokenizer)
+        self.grammars = Grammars(tokenizer, compile_timeout=grammar_timeout or GRAMMAR_TIMEOUT)
 
     def check_model(self, name: str) -> None:
         if name != self.name:
@@ -145,6 +149,13 @@ class ServedModel:
         except GrammarError as e:
             raise RequestError(f"{param}: {e}", param) from None
         return None
+
+    async def compile_grammar(self, req: GenerationRequest) -> None:
+        """Compile the request's grammar (into the cache) off the event loop, so a slow one holds no other
+        request up; submit() then finds it compiled. A 400 if it cannot be enforced or is too slow."""
+        grammar = self.grammar(req)
+        if grammar is not None:
+            await asyncio.to_thread(self.processors, req, grammar)
 
     def processors(self, req: GenerationRequest, grammar: str | None) -> list:
         """A fresh grammar state for one choice (the compiled grammar is shared through the cache)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
 
 import numpy as np
@@ -83,12 +85,20 @@ def tool_call_grammar(tools: list[dict], parser: str, parallel: bool = True) -> 
 
 class Grammars:
     """A tokenizer's grammar compiler: its llguidance vocabulary (built once, ~0.5 s) and a cache of
-    compiled grammars, so a schema sent again costs a copy of a matcher, not a compilation."""
+    compiled grammars, so a schema sent again costs a copy of a matcher, not a compilation.
 
-    def __init__(self, tokenizer, cache_size: int = 64) -> None:
+    With `compile_timeout` (seconds) a compilation runs in a worker thread (llguidance drops the GIL
+    while it builds) and a grammar not compiled within the bound is refused (GrammarError), then and
+    whenever it is sent again; the abandoned compilation finishes in the background, within
+    llguidance's own size and fuel limits."""
+
+    def __init__(self, tokenizer, cache_size: int = 64, compile_timeout: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = list(tokenizer.eos_token_ids)
         self._compile = lru_cache(maxsize=cache_size)(self._compile_uncached)
+        self.compile_timeout = compile_timeout
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile") if compile_timeout is not None else None
+        self._too_slow: set[str] = set()
 
     @property
     def vocabulary(self):
@@ -110,9 +120,26 @@ class Grammars:
             raise GrammarError(describe([matcher.get_error()]))
         return matcher
 
+    def compile(self, grammar: str):
+        """The compiled matcher for `grammar` (cached), within `compile_timeout` when one is set."""
+        if self._pool is None:
+            return self._compile(grammar)
+        if grammar in self._too_slow:
+            raise GrammarError(self._slow_message())
+        future = self._pool.submit(self._compile, grammar)
+        try:
+            return future.result(self.compile_timeout)
+        except FutureTimeout:
+            self._too_slow.add(grammar)
+            raise GrammarError(self._slow_message()) from None
+
+    def _slow_message(self) -> str:
+        return (f"the schema or grammar takes longer than {self.compile_timeout:g} s to compile; simplify it "
+                "(fewer alternatives, properties or patterns)")
+
     def processor(self, grammar: str) -> GrammarProcessor:
         """A fresh matcher for one request (raises GrammarError for a grammar the engine refuses)."""
-        return GrammarProcessor(self._compile(grammar).deep_copy(), self.stop_ids)
+        return GrammarProcessor(self.compile(grammar).deep_copy(), self.stop_ids)
 
 
 def describe(messages: list[str]) -> str:

@@ -12,13 +12,15 @@ fails the header and stays content.
 |---------|--------------------------------------------------------------------------|
 | hermes  | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one per call  (Hermes, Qwen) |
 | llama3  | `<|python_tag|>{"name": ..., "parameters": {...}}` or that JSON alone, `;` between calls |
-| mistral | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (or the list alone)  |
+| mistral | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (or the list alone), or the newer  |
+|         | `[TOOL_CALLS]name[ARGS]{...}`, the tag again before each further call       |
 | generic | hermes' tags: what the generic prompt (`decoderlm.tools.prompt`) asks for  |
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,13 +64,14 @@ class CallFormat:
     separator: str | None = None  # between calls of one group (llama3 ";", mistral ",")
     array: bool = False  # the calls are a JSON list: `[` opens the group, `]` closes it
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
+    args_tag: str | None = None  # mistral's newer calls: the open tag, the name, this tag, the arguments object
 
 
 FORMATS = {
     "hermes": CallFormat(("<tool_call>",), close_tag="</tool_call>"),
     "generic": CallFormat(("<tool_call>",), close_tag="</tool_call>"),
     "llama3": CallFormat(("<|python_tag|>",), bare_start="{", separator=";"),
-    "mistral": CallFormat(("[TOOL_CALLS]",), bare_start="[{", separator=",", array=True),
+    "mistral": CallFormat(("[TOOL_CALLS]",), bare_start="[{", separator=",", array=True, args_tag="[ARGS]"),
 }
 
 
@@ -95,6 +98,7 @@ def _call_id() -> str:
 
 
 _WS = " \t\r\n"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class _Header:
@@ -186,6 +190,7 @@ class ToolParser:
         self.calls: list[ToolCall] = []
         self.out = ParsedDelta()
         self.value = _Value()  # the arguments' JSON value, then the rest of the call object
+        self.named = False  # the call in progress is `name[ARGS]{...}`: it ends with its arguments
 
     def push(self, text: str) -> ParsedDelta:
         for ch in text:
@@ -195,7 +200,7 @@ class ToolParser:
 
     def finish(self) -> ParsedDelta:
         """The end of the answer: a call in progress ends; held text that never became a call is content."""
-        if self.state in ("list", "header", "raw"):
+        if self.state in ("list", "header", "raw", "named"):
             if not (self.fmt.close_tag and self._whole_call(self.held[self.body_start :])):
                 self._revert()
         elif self.state == "text":
@@ -244,12 +249,34 @@ class ToolParser:
         self._release(release)
 
     def _list(self, ch: str) -> None:
-        """Array formats after their tag: the list's `[`."""
+        """Array formats after their tag: the list's `[` (or, with an `args_tag`, a call's name)."""
         self.held += ch
         if ch == "[":
             self.state, self.body_start = "header", len(self.held)
+        elif ch not in _WS and self.fmt.args_tag:
+            self.state = "named"
+            self._named("")
         elif ch not in _WS:
             self._revert()
+
+    def _named(self, ch: str) -> None:
+        """Mistral's newer calls after their tag: a name, `[ARGS]`, then the arguments object commits the call."""
+        self.held += ch
+        body = self.held[self.body_start :].lstrip(_WS)
+        name = _NAME.match(body)
+        rest = body[name.end() :] if name else body
+        tag = self.fmt.args_tag
+        after = rest[len(tag) :].lstrip(_WS)
+        if name is None or not (tag.startswith(rest) or rest.startswith(tag)) or after not in ("", "{"):
+            self._revert()
+            return
+        if not after:
+            return
+        call = ToolCall(self.new_id(), name.group(), "")
+        self.out.calls.append(CallDelta(len(self.calls), call.id, call.name))
+        self.calls.append(call)
+        self.held, self.space, self.state, self.value, self.named = "", "", "arguments", _Value(), True
+        self._arguments("{")
 
     def _header(self, ch: str) -> None:
         self.held += ch
@@ -305,7 +332,9 @@ class ToolParser:
                 last.arguments += ch
             else:
                 self.out.calls.append(CallDelta(len(self.calls) - 1, arguments=ch))
-        if kind in ("done", "after"):
+        if kind == "done" and self.named:  # no object around the arguments: the call ends here
+            self.state, self.named = "text", False
+        elif kind in ("done", "after"):
             self.state, self.value = "tail", _Value()
             self.value.started, self.value.depth = True, 1  # inside the call object
             if kind == "after":  # a scalar ended at the object's `,` or `}`
