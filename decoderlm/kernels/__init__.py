@@ -94,6 +94,12 @@ def available() -> bool:
     return library() is not None
 
 
+@cache
+def function(name: str) -> ctypes._CFuncPtr:
+    """The entry point `name` (q4_matmul, q8_dequantize, ...) of the variant this process runs."""
+    return getattr(library(), f"{name}_{level()}")
+
+
 def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ → (M, N) fp32, W given as blocks: Q4_1 (q (N, K/2) uint8 with inputs j and 16 + j
     of a block in the low and high nibbles of its byte j, scales d and offsets m (N, K/32) fp16) or Q8_0
@@ -101,8 +107,8 @@ def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | 
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, q.shape[0], dtype=torch.float32)
-    fn = getattr(library(), f"{'q8' if m is None else 'q4'}_matmul_{level()}")
-    fn(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
+    function("q8_matmul" if m is None else "q4_matmul")(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(),
+                                                          None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
     return y
 
 
@@ -110,8 +116,8 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torc
     """The fp32 weight (N, K) of blocks given as to `matmul`: q·d (+ m), rounded as the float path rounds it."""
     N, K = q.shape[0], d.shape[1] * 32
     w = torch.empty(N, K, dtype=torch.float32)
-    fn = getattr(library(), f"{'q8' if m is None else 'q4'}_dequantize_{level()}")
-    fn(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), N, K, w.data_ptr())
+    function("q8_dequantize" if m is None else "q4_dequantize")(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
+                                                                  N, K, w.data_ptr())
     return w
 
 
