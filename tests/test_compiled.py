@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import decoderlm
-from decoderlm import compiled
+from decoderlm import compiled, kernels
 from decoderlm.generate import decode_step, generate, prefill
 from decoderlm.kv_cache import KVCache, StaticKVCache
 from decoderlm.quantize import quantize
@@ -139,8 +139,10 @@ def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, package_d
 
 
 def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
-    """int4 layers, and int8 ones where the shape does not fit int4 (the 37-token head, the 48-wide down_proj)."""
+    """torch's int4 layers (where decoderlm's kernels cannot be built), and int8 ones where the shape does
+    not fit int4 (the 37-token head, the 48-wide down_proj)."""
     monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "available", lambda: False)
     model = quantize(tiny_model(), "int4")
     params = SamplingParams(temperature=0, max_new_tokens=16)
     eager = generate(model, [3, 1, 4, 1, 5], params)
@@ -197,6 +199,19 @@ def test_moe_decodes_compiled_with_eager_tokens(tmp_path, monkeypatch, case):
         prefill(model, ids[:, :3], plain)
         for t in range(3, 10):
             torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here: the quantized layers are torch's, which compile")
+def test_block_layers_decode_eagerly_with_one_note(tmp_path, monkeypatch, capsys):
+    """decoderlm's block kernels are faster eager than called back from a compiled step: known before trying."""
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    model = quantize(tiny_model(), "int4")
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    step = compiled.CompiledDecoder(model)
+    assert generate(model, [3, 1, 4], params, step=step) == generate(model, [3, 1, 4], params)
+    assert step.compiles == 0 and capsys.readouterr().err.splitlines() == [
+        "compiled decoding unavailable (decoderlm's block kernels run faster eagerly than called from a compiled step; "
+        "--quantize none compiles); decoding eagerly"]
 
 
 def test_quantized_experts_decode_eagerly_with_one_note(tmp_path, monkeypatch, capsys):
