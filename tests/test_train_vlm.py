@@ -58,6 +58,29 @@ def test_prepared_examples_are_the_chat_prompt_then_the_answer(prepared):
     assert torch.equal(images.pixel_values[:16], ImageProcessor()([src / "0.png"]).pixel_values)
 
 
+def test_a_batch_pairs_each_row_with_its_own_image_as_eval_reads_it(prepared):
+    """Rows drawn out of order and right-padded: row b's patches are its own image's, normalized as `chat --image`
+    normalizes it, its M-RoPE positions are those of the row alone, and its targets are its answer."""
+    from decoderlm.model.mrope import mrope_positions
+
+    src, out = prepared
+    manifest, train, _ = open_image_text(out)
+    image_id = manifest["image_token_id"]
+    image, start, *ids = train.examples[5]
+    train.examples.append([image, start, *ids[:-1], *ids[start:]])  # a longer answer: the other rows are padded
+    rows = [4, 0, len(train.examples) - 1, 11, 7]
+    x, y, images = train.batch(rows)
+    lengths = [len(train.examples[i]) - 3 for i in rows]
+    assert len(set(lengths)) > 1
+    positions = mrope_positions(x, images.grid_thw, image_id, 2)[0]
+    for b, i in enumerate(rows):
+        image, start, *ids = train.examples[i]
+        assert torch.equal(images.pixel_values[16 * b : 16 * (b + 1)], ImageProcessor()([src / f"{image}.png"]).pixel_values)
+        alone = mrope_positions(x[b : b + 1, : lengths[b]], images.grid_thw[b : b + 1], image_id, 2)[0]
+        assert torch.equal(positions[:, b : b + 1, : lengths[b]], alone)
+        assert y[b][y[b] != IGNORE_INDEX].tolist() == ids[start:]
+
+
 def load_tokenizer(out: Path):
     from decoderlm.train.prepare import load_tokenizer
 

@@ -290,3 +290,67 @@ def test_a_batch_of_rows_with_images_matches_transformers_and_trains(pair):
     loss.backward()
     assert ours.visual.patch_embed.proj.weight.grad.abs().sum() > 0
     ours.zero_grad(set_to_none=True)
+
+
+def answer_loss(logits: torch.Tensor, ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each answer token (answer: (B, T) bool) predicted from the position before it."""
+    targets = ids[:, 1:].masked_fill(~answer[:, 1:], -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def test_gradients_of_every_parameter_match_transformers(pair):
+    """The backward pass, not only the forward: one image + text batch, the loss on the answers only, and the gradient of
+    every parameter of both towers equal to transformers' (mapped through the weight table)."""
+    from decoderlm.formats.families import expand, family_of
+    from decoderlm.formats.hf import _copy_in, _table_key
+
+    hf, _, images, folder = pair
+    ours = load(folder, fuse=False)[0]  # as training builds it: one matrix per checkpoint projection
+    rows = [[5, START, *[IMAGE] * 4, END, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [START, *[IMAGE] * 15, END, 5, 6]]
+    t = torch.tensor(rows)
+    answer = torch.zeros_like(t, dtype=torch.bool)
+    answer[:, -3:] = True
+    hf.zero_grad(set_to_none=True)
+    try:
+        answer_loss(hf(**hf_inputs(rows[0], images) | dict(input_ids=t, mm_token_type_ids=(t == IMAGE).int())).logits, t, answer).backward()
+        answer_loss(ours(t, images=images).logits, t, answer).backward()
+        ref = {name: torch.zeros_like(p) for name, p in ours.named_parameters()}
+        table = expand(family_of(ours.config.family), ours.config, set(ref))
+        for name, p in hf.named_parameters():
+            key = _table_key(name, table, family_of(ours.config.family), ours.config)
+            if key is not None:
+                _copy_in(table[key], p.grad, ref)
+        assert any(n.startswith("visual.") for n in ref)
+        for name, p in ours.named_parameters():
+            scale = max(ref[name].abs().max().item(), 1e-6)
+            assert p.grad is not None and ref[name].abs().max() > 0, name
+            assert (p.grad - ref[name]).abs().max() / scale < 1e-4, name
+    finally:
+        hf.zero_grad(set_to_none=True)
+
+
+def test_image_text_objective_trains_the_vision_tower(pair):
+    """Through decoderlm's own training path: ImageTextObjective's loss reaches every vision parameter, and the
+    trainer's optimizer holds them."""
+    from decoderlm.image import ImageProcessor
+    from decoderlm.train.config import TrainConfig, resolve_new
+    from decoderlm.train.distributed import World
+    from decoderlm.train.image_text import ImageTextObjective, ImageTextSplit
+    from decoderlm.train.optim import make_optimizer
+
+    ours = load(pair[3], fuse=False)[0]
+    gen = torch.Generator().manual_seed(2)
+    pictures = [torch.randint(0, 256, (3, 56, 56), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    prompt = [5, START, *[IMAGE] * 4, END, 6, 7]
+    examples = [[0, len(prompt), *prompt, 8, 9], [1, len(prompt) + 1, 5, *prompt, 10, 11, 12]]
+    split = ImageTextSplit(pictures, examples, pad_id=0, processor=ImageProcessor())
+    cfg = resolve_new(TrainConfig(data="d", out="r", batch_size=2))
+    objective = ImageTextObjective(split, split, cfg, World(), torch.device("cpu"))
+    loss, n = objective.loss(ours, split.batch([0, 1]))
+    assert n == 2 + 3
+    loss.backward()
+    visual = dict(ours.visual.named_parameters())
+    for name, p in visual.items():
+        assert p.grad is not None and p.grad.abs().max() > 0, name
+    held = {id(p) for group in make_optimizer(ours, cfg, torch.device("cpu")).param_groups for p in group["params"]}
+    assert all(id(p) in held for p in visual.values())
