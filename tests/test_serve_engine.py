@@ -155,7 +155,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 
          "Name a fruit that is red.", "Who wrote Hamlet?", "Say hello in Spanish.", "What is the boiling point of water?"]
 
 
-# The plain CPU level's int4 kernel is unvectorized (about a token a second here): fewer, shorter requests there.
+# The plain CPU level runs every kernel at SSE width (and torch's, where decoderlm's cannot be built, unvectorized): fewer, shorter requests there.
 PLAIN = isa.current() == "default"
 
 
