@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import decoderlm
+from decoderlm import kernels
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import Transformer
 from decoderlm.model.moe import MoE
@@ -39,9 +40,8 @@ SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py", "kernels")
 
 
 def cache_dir() -> Path:
-    """Where packages live: $DECODERLM_CACHE, else ~/.cache/decoderlm."""
-    root = os.environ.get("DECODERLM_CACHE") or Path.home() / ".cache" / "decoderlm"
-    return Path(root) / "compiled"
+    """Where packages live: under decoderlm's cache ($DECODERLM_CACHE, else ~/.cache/decoderlm)."""
+    return kernels.cache_dir() / "compiled"
 
 
 def bucket(n_tokens: int, max_seq_len: int) -> int:

@@ -13,7 +13,6 @@
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define NV (32 / VL)   /* vectors per block */
