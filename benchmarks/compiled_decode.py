@@ -5,11 +5,12 @@ decoded eagerly, then `decoderlm.compiled.CompiledDecoder` builds (first time on
 minutes) or loads (later: about a second) its package, and the compiled decode is timed; llama.cpp's
 decode is timed in the same repeats, interleaved. Reports the build/load time apart from decode speed.
 
-    python benchmarks/compiled_decode.py [--modes fp32] [--repeats 3] [--new-tokens 128] [--threads 2] [--quick]
+    python benchmarks/compiled_decode.py [--modes int4 fp32] [--repeats 3] [--new-tokens 128] [--threads 2]
+        [--isa native|avx2|avx512|default] [--quick]
 
-int4 and int8 run on decoderlm's block kernels, which a compiled step would call back through Python (slower
-than eager: 23 against 42 tok/s here), so they decode eagerly; with DECODERLM_KERNELS=off they run on torch's
-bf16 kernels, which compile.
+int4 and int8 run on decoderlm's block kernels, which the compiled step calls as C++ operators
+(decoderlm/kernels/ops.cpp). `--isa avx2` measures as an AVX2 machine would (`decoderlm.isa.env`, as
+generate_speed.py) and writes compiled_decode_avx2.json; llama.cpp keeps its native build.
 
 --quick runs a tiny random GGUF (quality.py's) for 8 tokens, once, without llama.cpp: it checks the
 script (a tiny model compiles in well under a minute; set DECODERLM_CACHE to keep its package apart).
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ import torch
 from generate_speed import TEXT, Engine, llamacpp_engine, timed
 from quality import tiny_gguf
 
-from decoderlm import SamplingParams, compiled, load, stream
+from decoderlm import SamplingParams, compiled, isa, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
 RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
@@ -36,14 +39,21 @@ RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="*", default=["fp32"], help="fp32, int8 or int4 (int8 and int4 compile only with torch's kernels: DECODERLM_KERNELS=off)")
+    ap.add_argument("--modes", nargs="*", default=["int4", "fp32"], help="fp32, int8 or int4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/compiled_decode[_ISA].json)")
+    ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
+                    help="the instruction set decoderlm runs at (torch's kernels, inductor's code and decoderlm's kernels)")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 tokens, once, no llama.cpp: checks the script")
     args = ap.parse_args()
+    if args.isa != "native" and args.isa != isa.current():  # torch reads its level once: run again under it
+        if args.isa not in isa.supported():
+            raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
+        os.execve(sys.executable, [sys.executable, *sys.argv], isa.env(args.isa))
+    args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
@@ -88,7 +98,7 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
         print(f"{mode:6} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
               f"{r.get('vs_llama.cpp', float('nan')):12.2f} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": model_name, "threads": args.threads, "new_tokens": args.new_tokens,
+    args.out.write_text(json.dumps({"model": model_name, "machine": isa.describe(), "threads": args.threads, "new_tokens": args.new_tokens,
                                     "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "torch": torch.__version__,
                                     "modes": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -32,7 +32,6 @@ from decoderlm import kernels
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import Transformer
 from decoderlm.model.moe import MoE
-from decoderlm.quantize import BlockLinear
 
 MIN_BUCKET = 256
 # Code the compiled graph is made of: editing any of it must not reuse an old package.
@@ -68,10 +67,6 @@ def not_compilable(model: Transformer) -> str | None:
             # torch 2.13's AOTInductor leaves the constants it derives from quantized weights undeclared inside
             # torch.cond's branches (the wrapper fails to build), and the experts run in such branches (decoderlm.model.moe).
             return "quantized MoE experts do not compile yet; --quantize none compiles them"
-    if any(isinstance(m, BlockLinear) for m in model.modules()):
-        # A compiled step reaches decoderlm's kernels through Python, once per layer: the embedded model decoded
-        # at 23 tok/s compiled against 42 eager (benchmarks/results/compiled_decode.json).
-        return "decoderlm's block kernels run faster eagerly than called from a compiled step; --quantize none compiles"
     return None
 
 

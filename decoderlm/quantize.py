@@ -345,9 +345,9 @@ class BlockLinear(nn.Module):
         args = (self.blocks, self.block_scales, self.block_offsets)
         compiling = torch.compiler.is_compiling()
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
-            y = h @ (kernels.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
+            y = h @ (torch.ops.decoderlm.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
         else:
-            y = kernels.block_matmul(h, *args) if compiling else kernels.matmul(h, *args)
+            y = torch.ops.decoderlm.block_matmul(h, *args) if compiling else kernels.matmul(h, *args)
         y = y.view(*x.shape[:-1], -1)  # (..., out)
         if self.bias is not None:
             y = y + self.bias

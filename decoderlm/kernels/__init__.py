@@ -8,10 +8,12 @@ multiply it with every row of fp32 activations and sum in fp32: the result is th
 the order of the sums, and a row's result never depends on the others.
 
 `blocks.c` is compiled on first use with the machine's C compiler, once for each instruction set
-(AVX-512, AVX2, SSE4.1), into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`);
-the variant that runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs
-the AVX2 code. Without a compiler, on another architecture, or with `DECODERLM_KERNELS=off`,
-`available()` is False and the layers use torch's kernels instead.
+(AVX-512, AVX2, SSE4.1), and linked with `ops.cpp` (the same kernels as torch operators, for compiled
+steps) into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`); the variant that
+runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs the AVX2 code.
+Eager code calls the kernels through ctypes (the GIL released); a compiled graph calls the operators.
+Without a C/C++ compiler, on another architecture, or with `DECODERLM_KERNELS=off`, `available()` is
+False and the layers use torch's kernels instead.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 
 from decoderlm import isa
 
-SOURCE = Path(__file__).with_name("blocks.c")
+SOURCE, OPS = Path(__file__).with_name("blocks.c"), Path(__file__).with_name("ops.cpp")
 # level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
             "default": (4, ["-msse4.1"])}
@@ -41,18 +43,25 @@ def cache_dir() -> Path:
 
 
 def build(out: Path) -> None:
-    """Compile blocks.c for every level in VARIANTS and link them into the shared library `out`."""
-    cc = os.environ.get("CC", "cc")
+    """Compile blocks.c for every level in VARIANTS and ops.cpp against torch's stable ABI, and link them
+    into the shared library `out`."""
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    torch_dir = Path(torch.__file__).parent
+
+    def run(*args: str) -> None:
+        subprocess.run(args, check=True, capture_output=True, text=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
         for level, (width, flags) in VARIANTS.items():
-            obj = Path(tmp) / f"{level}.o"
-            subprocess.run([cc, *FLAGS, *flags, f"-DVL={width}", f"-DNAME={level}", "-c", str(SOURCE), "-o", str(obj)],
-                           check=True, capture_output=True, text=True)
-            objects.append(str(obj))
+            objects.append(f"{tmp}/{level}.o")
+            run(cc, *FLAGS, *flags, f"-DVL={width}", f"-DNAME={level}", "-c", str(SOURCE), "-o", objects[-1])
+        objects.append(f"{tmp}/ops.o")
+        run(cxx, "-O2", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", "-c", str(OPS), "-o", objects[-1])
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_suffix(f".{os.getpid()}.tmp")  # linked beside `out`, then renamed: processes may race
-        subprocess.run([cc, "-shared", "-fopenmp", *objects, "-o", str(part)], check=True, capture_output=True, text=True)
+        lib = torch_dir / "lib"
+        run(cxx, "-shared", "-fopenmp", *objects, f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}", "-o", str(part))
         os.replace(part, out)
 
 
@@ -61,11 +70,13 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached on disk), or None where they cannot run here."""
     if os.environ.get("DECODERLM_KERNELS", "on").lower() in ("0", "off", "no") or not isa.X86 or level() is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((VARIANTS, FLAGS, os.environ.get("CC"))).encode()).hexdigest()[:16]
+    recipe = repr((VARIANTS, FLAGS, os.environ.get("CC"), os.environ.get("CXX"), torch.__version__, torch.__file__))
+    key = hashlib.sha256(SOURCE.read_bytes() + OPS.read_bytes() + recipe.encode()).hexdigest()[:16]
     path = cache_dir() / f"blocks-{key}.so"
     try:
         if not path.exists():
             build(path)
+        torch.ops.load_library(str(path))  # the operators' CPU kernels (their schemas are defined below)
         lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one the kernels share
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
@@ -79,6 +90,7 @@ def library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = args, None
             fn = getattr(lib, f"{kind}_dequantize_{name}")
             fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p], None
+    lib.use_level(list(VARIANTS).index(level()))
     return lib
 
 
@@ -121,23 +133,16 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torc
     return w
 
 
-@torch.library.custom_op("decoderlm::block_matmul", mutates_args=())
-def block_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """`matmul` as an operator torch.compile can call (eager code calls `matmul` directly: no dispatch cost)."""
-    return matmul(x, q, d, m)
+# The same kernels as operators a compiled graph can call (ops.cpp); eager code calls the functions above.
+torch.library.define("decoderlm::block_matmul", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
+torch.library.define("decoderlm::block_dequantize", "(Tensor q, Tensor d, Tensor? m) -> Tensor")
 
 
-@block_matmul.register_fake
+@torch.library.register_fake("decoderlm::block_matmul")
 def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("decoderlm::block_dequantize", mutates_args=())
-def block_dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-    """`dequantize` as an operator torch.compile can call."""
-    return dequantize(q, d, m)
-
-
-@block_dequantize.register_fake
+@torch.library.register_fake("decoderlm::block_dequantize")
 def _(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return d.new_empty(q.shape[0], d.shape[1] * 32, dtype=torch.float32)

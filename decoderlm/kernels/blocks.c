@@ -40,12 +40,13 @@ static inline float hsum(vf v) {  /* a fixed order: pairwise halves */
  * then gives the same bits in every tile). */
 #if VL == 16
 static inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline void u8x16(__m128i v, vf *w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline vf splat(float a) { return _mm512_set1_ps(a); }
 static inline void i8x32(const int8_t *p, vf *w) {
     for (int i = 0; i < 2; i++) w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i))));
 }
 #elif VL == 8
 static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf splat(float a) { return _mm256_set1_ps(a); }
 static inline void u8x16(__m128i v, vf *w) {
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
@@ -55,6 +56,7 @@ static inline void i8x32(const int8_t *p, vf *w) {
 }
 #else
 static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+static inline vf splat(float a) { return _mm_set1_ps(a); }
 static inline void u8x16(__m128i v, vf *w) {
     w[0] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(v));
     w[1] = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_srli_si128(v, 4)));
@@ -70,22 +72,33 @@ static inline void i8x32(const int8_t *p, vf *w) {
 }
 #endif
 
-/* The 32 weights of block b of row n as NV float vectors, inputs in order. */
+/* The 32 weights of block b of row n as NV float vectors, inputs in order. q·d is exact in fp32 (4 bits
+ * times fp16's 11), so fmadd(q, d, m) rounds once where the float path rounds q·d (exactly) and then + m:
+ * the same bits. */
 static inline void weights_q4(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
     const uint8_t *p = (const uint8_t *)q + n * (K / 2) + b * 16;
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const vf scale = splat(d[n * (K / 32) + b]), offset = splat(m[n * (K / 32) + b]);
+#if VL == 16
+    /* A block's weights take 16 values, q·d + m for q = 0..15: one FMA makes them all, and vpermps looks
+     * each weight up by the low 4 bits of its 32-bit lane (the high nibbles shifted down first). */
+    const vf table = fmadd((vf){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, scale, offset);
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), table);
+#else
+    const __m128i low = _mm_set1_epi8(15);
     u8x16(_mm_and_si128(raw, low), w);
     u8x16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), w + NV / 2);
-    const vf scale = (vf){0} + (float)d[n * (K / 32) + b], offset = (vf){0} + (float)m[n * (K / 32) + b];
-    for (int i = 0; i < NV; i++) w[i] = w[i] * scale + offset;
+    for (int i = 0; i < NV; i++) w[i] = fmadd(w[i], scale, offset);
+#endif
 }
 
 static inline void weights_q8(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
     (void)m;
     i8x32((const int8_t *)q + n * K + b * 32, w);
-    const vf scale = (vf){0} + (float)d[n * (K / 32) + b];
+    const vf scale = splat(d[n * (K / 32) + b]);
     for (int i = 0; i < NV; i++) w[i] = w[i] * scale;
 }
 
