@@ -10,7 +10,8 @@ decode is timed in the same repeats, interleaved. Reports the build/load time ap
 
 int4 and int8 run on decoderlm's block kernels, which the compiled step calls as C++ operators
 (decoderlm/kernels/ops.cpp). `--isa avx2` measures as an AVX2 machine would (`decoderlm.isa.env`, as
-generate_speed.py) and writes compiled_decode_avx2.json; llama.cpp keeps its native build.
+generate_speed.py) and writes compiled_decode_avx2.json; llama.cpp runs the build LLAMA_CPP_LIB_PATH names
+(see generate_speed.py), else llama-cpp-python's own.
 
 --quick runs a tiny random GGUF (quality.py's) for 8 tokens, once, without llama.cpp: it checks the
 script (a tiny model compiles in well under a minute; set DECODERLM_CACHE to keep its package apart).
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from generate_speed import TEXT, Engine, llamacpp_engine, timed
+from generate_speed import TEXT, Engine, llamacpp_build, llamacpp_engine, timed
 from quality import tiny_gguf
 
 from decoderlm import SamplingParams, compiled, isa, load, stream
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
         print(f"{mode:6} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
               f"{r.get('vs_llama.cpp', float('nan')):12.2f} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": model_name, "machine": isa.describe(), "threads": args.threads, "new_tokens": args.new_tokens,
+    args.out.write_text(json.dumps({"model": model_name, "machine": isa.describe(), "llama.cpp_build": llamacpp_build(), "threads": args.threads, "new_tokens": args.new_tokens,
                                     "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "torch": torch.__version__,
                                     "modes": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -20,7 +20,8 @@ GGUF header, tokenizer, weights, fusing, KV cache, first forward): each stage's 
 
 `--isa avx2` measures as an AVX2 machine would (`decoderlm.isa.env`: torch's kernels, oneDNN and MKL held
 to AVX2, in this process and every one it starts) and writes generate_speed_avx2.json; llama.cpp keeps
-the instruction set it was built for, which the JSON's machine entry does not change.
+the instruction set it was built for (the JSON's `llama.cpp_build`): LLAMA_CPP_LIB_PATH=<a folder with an
+AVX2-only libllama.so> gives it the same level (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF).
 
 --repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass. Run benchmarks/quality.py first:
 its results mark which modes are faithful (perplexity within 1 % of fp32), and the fastest of those
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import isa
+from decoderlm import compiled, isa
 from decoderlm import SamplingParams, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
@@ -57,6 +58,7 @@ TEXT = ("The history of the decoder-only Transformer begins with language modell
         "from the tokens before it. Stacking causal self-attention and feed-forward blocks, ") * 20
 Engine = Callable[[list[int], int], Iterable[int] | Iterable[tuple[float, int]]]  # see timed()
 DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
+COMPILED = "decoderlm int4 compiled"  # the default mode through the compiled step: chat's decode from its second run
 TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
 BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
 COLD_MESSAGE = "What is the capital of France?"
@@ -118,9 +120,12 @@ def timed(tokens: Iterable[int | tuple[float, int]]) -> tuple[float, float, list
     return stamps[0] - t0, stamps[-1] - stamps[0], out
 
 
-def decoderlm_engine(gguf: Path, load_kwargs: dict) -> Engine:
+def decoderlm_engine(gguf: Path, load_kwargs: dict, compile: bool = False) -> Engine:
+    """decoderlm in one mode; compile=True decodes through the compiled step (built here if this machine has
+    none cached), as `chat` and `generate` do by default once their background build has run."""
     model, _ = load(gguf, **load_kwargs)
-    return lambda ids, n: stream(model, ids, SamplingParams(temperature=0, max_new_tokens=n))
+    step = compiled.CompiledDecoder(model) if compile else None
+    return lambda ids, n: stream(model, ids, SamplingParams(temperature=0, max_new_tokens=n), step=step)
 
 
 def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
@@ -175,6 +180,17 @@ def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
     return run
 
 
+def llamacpp_build() -> str | None:
+    """The instruction sets llama.cpp was built for (its system info), or None without llama-cpp-python.
+    LLAMA_CPP_LIB_PATH points llama-cpp-python at another build (e.g. an AVX2-only one for --isa avx2)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info().decode()
+    return f"{info.strip()} (from {os.environ.get('LLAMA_CPP_LIB_PATH', 'llama-cpp-python')})"
+
+
 def faithful_modes() -> dict[str, bool]:
     """decoderlm engine name → whether quality.py found that mode faithful; empty before quality.py has run."""
     if not QUALITY.is_file():
@@ -194,6 +210,7 @@ def speed(gguf: Path, names: list[str], args: argparse.Namespace) -> tuple[dict[
     ids = tokenizer.encode(TEXT)[: args.prompt_tokens]
     builders: dict[str, Callable[[], Engine | None]] = {
         **{name: (lambda kw=kw: decoderlm_engine(gguf, kw)) for name, kw in DECODERLM.items()},
+        COMPILED: lambda: decoderlm_engine(gguf, MODES["int4"], compile=True),
         **{name: (lambda dt=dt: transformers_engine(gguf, dt)) for name, dt in TRANSFORMERS.items()},
         "llama.cpp": lambda: llamacpp_engine(gguf, args.threads),
     }
@@ -333,7 +350,7 @@ def main() -> None:
     ap.add_argument("--cold-runs", type=int, default=3, help="cold-start runs per engine (0: skip the cold-start pass)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/generate_speed[_ISA].json)")
-    all_engines = [*DECODERLM, *TRANSFORMERS, "llama.cpp"]
+    all_engines = [*DECODERLM, COMPILED, *TRANSFORMERS, "llama.cpp"]
     ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(all_engines)}")
     ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                     help="the CPU level the torch engines run at, as on a CPU that has no more (llama.cpp runs as built)")
@@ -362,7 +379,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": DEFAULT_MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "threads": args.threads, "machine": isa.describe(), "torch": torch.__version__,
+        "threads": args.threads, "machine": isa.describe(), "llama.cpp_build": llamacpp_build(), "torch": torch.__version__,
         "greedy_reference": reference, "engines": rows, "faithful": faithful, "fastest_faithful": fastest, "cold_start": cold_rows,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -13,6 +13,10 @@ the constants inductor derives from them (int4 weights repacked), which is why t
 One package serves every position (the position is a tensor input); it is built per cache size,
 rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
+
+Where no package exists yet, `generate` and `chat` decode eagerly and start `decoderlm compile` for the
+same model in a background process (nice 19), so later runs find the package; `--compile` builds it
+in the foreground instead, `--no-compile` never uses one, DECODERLM_BACKGROUND_COMPILE=off builds none.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import copy
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,6 +73,15 @@ def not_compilable(model: Transformer) -> str | None:
             # torch.cond's branches (the wrapper fails to build), and the experts run in such branches (decoderlm.model.moe).
             return "quantized MoE experts do not compile yet; --quantize none compiles them"
     return None
+
+
+def building(path: Path) -> bool:
+    """Whether a background process is building the package `path` now (its pid in `path`.building)."""
+    try:
+        os.kill(int(path.with_suffix(".building").read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 class DecodeStep(nn.Module):
@@ -119,10 +133,12 @@ class CompiledDecoder:
     `new_cache(n)` gives a static cache for n tokens; `step(token, cache)` is `generate.decode_step`
     through the compiled library. The library holds the cache's buffers, so each size has one cache,
     reused by the next request (its stale slots are masked): one stream at a time per model.
-    build=False only loads packages built earlier, and decodes eagerly (silently) where there are none."""
+    build=False only loads packages built earlier, and decodes eagerly (silently) where there are none,
+    unless `background` gives the `decoderlm compile` flags that load this same model: then a process
+    started with them builds the missing package for later runs, and one line on stderr says so."""
 
-    def __init__(self, model: Transformer, build: bool = True) -> None:
-        self.model, self.build = model, build
+    def __init__(self, model: Transformer, build: bool = True, background: list[str] | None = None) -> None:
+        self.model, self.build, self.background = model, build, background
         self.runners: dict[int, object] = {}  # cache size → loaded package, or None when it failed
         self.caches: dict[int, StaticKVCache] = {}
         self.compiles = 0  # packages built by this process (tests check a second process builds none)
@@ -148,6 +164,8 @@ class CompiledDecoder:
     def _load(self, size: int):
         path = cache_dir() / f"{cache_key(self.model, size)}.pt2"
         if not path.is_file() and not self.build:
+            if self.background is not None:
+                self._build_later(size, path)
             return None
         param = next(self.model.parameters())
         with torch.inference_mode(False):  # the buffers must be ordinary tensors to be exported
@@ -180,6 +198,24 @@ class CompiledDecoder:
             return None
         self.caches[size] = cache
         return runner
+
+    def _build_later(self, size: int, path: Path) -> None:
+        """Start `decoderlm compile` for this model and cache size in the background, unless it is running,
+        failed before, cannot compile, or DECODERLM_BACKGROUND_COMPILE is off."""
+        if os.environ.get("DECODERLM_BACKGROUND_COMPILE", "on").lower() in ("0", "off", "no"):
+            return
+        if not_compilable(self.model) or path.with_suffix(".failed").is_file() or building(path):
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = path.with_suffix(".log")
+        command = [sys.executable, "-m", "decoderlm", "compile", *self.background, "--tokens", str(size),
+                   "--threads", str(torch.get_num_threads())]
+        with log.open("w") as out:  # its own session: it outlives this process, and ^C here does not stop it
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True, preexec_fn=lambda: os.nice(19))
+        path.with_suffix(".building").write_text(str(process.pid))
+        print(f"decoding eagerly; building the compiled decode step in the background for later runs "
+              f"(once for this model and machine; log: {log})", file=sys.stderr, flush=True)
 
     def _compile(self, step: DecodeStep, path: Path) -> None:
         """Export the step for one token and build its package."""

@@ -67,6 +67,14 @@ def native() -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def native_bf16() -> bool:
+    """Whether this process's bf16 matmuls run on bf16 instructions: on x86, AVX512-BF16 or AMX at the AVX-512
+    level. Elsewhere on x86 oneDNN emulates them, ~100x slower than fp32. Other CPUs: torch's affair (True)."""
+    if not X86:
+        return True
+    return current() == "avx512" and bool({"avx512_bf16", "amx_bf16"} & cpuinfo()[1])
+
+
 def describe() -> dict[str, object]:
     """The machine facts a benchmark's JSON records: CPU model, cores, the level torch runs at and the native one."""
     model, flags = cpuinfo()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from decoderlm.generate import decode_step, generate, prefill
 from decoderlm.kv_cache import KVCache, StaticKVCache
 from decoderlm.quantize import BlockLinear, quantize
 from decoderlm.sampling import SamplingParams
-from tests.conftest import configs, tiny_model
+from tests.conftest import configs, run_cli, tiny_model
 from tests.hf_models import make_hf_model
 
 pytestmark = pytest.mark.isa  # run again at every other CPU level (tests/test_cpu_levels.py)
@@ -82,17 +83,18 @@ def package_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("decoderlm-cache")
 
 
-def run_generate(checkpoint: Path, cache: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_generate(checkpoint: Path, cache: Path, *flags: str, background: bool = False) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "decoderlm", "generate", "--model", str(checkpoint), "--prompt", "The quick brown",
             "--temperature", "0", "--max-new-tokens", "12", "--threads", "1", *flags]
-    env = {**os.environ, "DECODERLM_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DECODERLM_CACHE": str(cache), "PYTHONPATH": str(ROOT),
+           "DECODERLM_BACKGROUND_COMPILE": "on" if background else "off"}
     result = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     return result
 
 
 def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, package_dir):
-    eager = run_generate(checkpoint, package_dir)  # by default a package is used if there is one, none is built
+    eager = run_generate(checkpoint, package_dir)  # by default a package is used if there is one (none is built here: background builds are off)
     assert COMPILING not in eager.stderr and not list(package_dir.rglob("*.pt2"))
     first = run_generate(checkpoint, package_dir, "--compile")
     assert first.stderr.count(COMPILING) == 1 and "eagerly" not in first.stderr, first.stderr
@@ -102,6 +104,30 @@ def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, pac
     assert COMPILING not in second.stderr and "eagerly" not in second.stderr, second.stderr
     assert list((package_dir / "compiled").glob("*.pt2")) == packages
     assert first.stdout == second.stdout == eager.stdout
+
+
+def test_by_default_a_missing_step_is_built_in_the_background_for_later_runs(checkpoint, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = run_generate(checkpoint, cache, background=True)
+    assert first.stderr.count("building the compiled decode step in the background") == 1, first.stderr
+    folder = cache / "compiled"
+    deadline = time.monotonic() + 600
+    while not list(folder.glob("*.pt2")):  # `decoderlm compile`, started by the first run, outlives it
+        assert not list(folder.glob("*.failed")) and time.monotonic() < deadline, next(folder.glob("*.log")).read_text()
+        time.sleep(1)
+    second = run_generate(checkpoint, cache, background=True)
+    assert "background" not in second.stderr and COMPILING not in second.stderr, second.stderr
+    assert second.stdout == first.stdout and len(list(folder.glob("*.pt2"))) == 1
+    # The package is the one this model, loaded as `generate` loads it, would decode through.
+    monkeypatch.setenv("DECODERLM_CACHE", str(cache))
+    model, _ = decoderlm.load(checkpoint, quantize="auto")
+    step = compiled.CompiledDecoder(model, build=False)
+    assert step.new_cache(20) is not None and step.compiles == 0
+
+
+def test_compile_refuses_a_bad_token_count_in_one_line(capsys):
+    code, out, err = run_cli(["compile", "--tokens", "0"], capsys)
+    assert code == 2 and err == "error: --tokens must be a positive integer, got 0\n"
 
 
 def test_without_build_a_package_built_earlier_is_used_and_none_is_built(checkpoint, package_dir, monkeypatch):

@@ -14,6 +14,7 @@ from torch import nn
 
 import decoderlm
 import decoderlm.cli
+from decoderlm import isa
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import runs
@@ -87,13 +88,24 @@ def test_flops_per_token_counts_every_matmul_weight_and_attention():
     assert flops_per_token(Transformer(config), T) == 6 * (L * per_layer + V * d) + 12 * L * d * T
 
 
-def test_bf16_autocast_trains_close_to_fp32_but_not_identically(corpus, tmp_path):
+def test_bf16_autocast_trains_close_to_fp32_but_not_identically(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(isa, "native_bf16", lambda: True)  # autocast even where bf16 is emulated (slow, but tiny here)
     run(corpus, tmp_path / "a")
     run(corpus, tmp_path / "b", dtype="bfloat16")
     fp32, bf16 = rows(tmp_path / "a"), rows(tmp_path / "b")
     diffs = [abs(a["train_loss"] - b["train_loss"]) for a, b in zip(fp32, bf16)]
     assert 0 < max(diffs) < 0.05
     assert bf16[-1]["train_loss"] < bf16[0]["train_loss"]
+
+
+def test_bf16_without_bf16_instructions_computes_in_fp32_and_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """Emulated bf16 matmuls are ~100x slower than fp32's: such a CPU trains --dtype bfloat16 in fp32."""
+    monkeypatch.setattr(isa, "native_bf16", lambda: False)
+    run(corpus, tmp_path / "a")
+    run(corpus, tmp_path / "b", dtype="bfloat16")
+    assert [r["train_loss"] for r in rows(tmp_path / "a")] == [r["train_loss"] for r in rows(tmp_path / "b")]
+    notes = [line for line in capsys.readouterr().err.splitlines() if "bf16" in line]
+    assert len(notes) == 1 and notes[0].endswith("so --dtype bfloat16 computes in float32")
 
 
 def test_best_and_last_checkpoints_and_save_interval(corpus, tmp_path, monkeypatch):

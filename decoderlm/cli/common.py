@@ -104,9 +104,10 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
                         "for faster CPU decoding (decode vs float32: int8 ~3x, int4 ~4x; logits move slightly)")
     if compile:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="decode through a compiled step, built once per model, mode and machine (about a minute; "
-                            "cached in $DECODERLM_CACHE or ~/.cache/decoderlm; eager if compiling fails). Default: a "
-                            "step built earlier is used, none is built; --no-compile: always eager")
+                       help="decode through a compiled step, built now if missing (once per model, mode and machine: "
+                            "about a minute; cached in $DECODERLM_CACHE or ~/.cache/decoderlm; eager if compiling fails). "
+                            "Default: a step built earlier is used; without one, this run decodes eagerly and "
+                            "`decoderlm compile` builds it in the background for later runs; --no-compile: always eager")
     add_device_flags(p)
 
 
@@ -128,6 +129,11 @@ def load_model(args: argparse.Namespace, text: bool = True) -> tuple[Transformer
         sampling_params(args)
     device = apply_run_flags(args)
     return load(source, dtype=args.dtype, quantize=args.quantize, device=device, text=text)
+
+
+def compile_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that make `decoderlm compile` load the model that `load_model(args)` loaded."""
+    return ["--model", model_source(args), "--dtype", args.dtype, "--quantize", args.quantize, "--device", args.device]
 
 
 def check_out_file(path: str | Path, what: str = "--out") -> Path:

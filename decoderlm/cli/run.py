@@ -1,4 +1,4 @@
-"""`decoderlm train`, `decoderlm generate`."""
+"""`decoderlm train`, `decoderlm generate`, `decoderlm compile`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import textwrap
 import typing
 from pathlib import Path
 
+from decoderlm import compiled
 from decoderlm.cli.common import (
     SAMPLING_EPILOG,
     add_model_flags,
@@ -50,6 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     add_speculative_flags(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("compile", help="build the compiled decode step for a model on this machine, once (generate and chat "
+                                       "use it, and start this in the background when it is missing)")
+    add_model_source(p, default=DEFAULT_MODEL)
+    p.add_argument("--tokens", type=int, default=compiled.MIN_BUCKET,
+                   help="the longest prompt + reply the step serves; one step is built per power of two from "
+                        f"{compiled.MIN_BUCKET} (generate and chat pick theirs)")
+    add_model_flags(p, quantize="auto")
+    p.set_defaults(func=cmd_compile)
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -108,6 +118,18 @@ def sample_start(tok) -> list[int]:
     if isinstance(tok, CharTokenizer):
         return tok.encode("\n") if "\n" in tok.stoi else [0]
     return tok.eos_token_ids[:1] or tok.encode("\n", add_special_tokens=False)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    if args.tokens < 1:
+        raise DecoderLMError(f"--tokens must be a positive integer, got {args.tokens}")
+    model, _ = load_model(args, text=False)
+    decoder = compiled.CompiledDecoder(model)
+    if decoder.new_cache(args.tokens) is None:
+        return 1  # it said why on stderr
+    print(f"compiled decode step ready for up to {compiled.bucket(args.tokens, model.config.max_seq_len)} tokens "
+          f"({'built' if decoder.compiles else 'built earlier'}; cached in {compiled.cache_dir()})")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

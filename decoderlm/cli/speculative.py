@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from decoderlm.cli.common import compile_flags
 from decoderlm.compiled import CompiledDecoder
 from decoderlm.errors import DecoderLMError
 from decoderlm.loader import load
@@ -33,8 +34,10 @@ def decoding_from_args(args: argparse.Namespace, model: Transformer, tokenizer: 
     if args.prompt_lookup is not None:
         return Decoding(model, PromptLookup(args.prompt_lookup), args.num_speculative_tokens)
     if args.draft_model is None:
-        # --compile: build the step if missing; default (None): a step built earlier, if any; --no-compile: eager
-        step = CompiledDecoder(model, build=args.compile is True) if args.compile is not False else None
+        # --compile: build the step if missing; default (None): a step built earlier, else one built in the
+        # background for later runs; --no-compile: eager
+        background = compile_flags(args) if args.compile is None else None
+        step = CompiledDecoder(model, build=args.compile is True, background=background) if args.compile is not False else None
         return Decoding(model, step=step)
     draft, draft_tokenizer = load(args.draft_model, dtype=args.dtype, quantize=args.quantize)
     check_vocabularies(tokenizer, draft_tokenizer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decoderlm import isa
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats import runs
@@ -40,8 +42,14 @@ from decoderlm.train.state import TrainState, rng_states, set_rng_states
 COMPILE_CACHE = Path.home() / ".cache" / "decoderlm" / "inductor"
 
 
+def emulated_bf16(cfg: TrainConfig, device: torch.device) -> bool:
+    """--dtype bfloat16 on a CPU without bf16 instructions: its matmuls would be ~100x slower than fp32's,
+    so the run computes in fp32 instead (and says so once)."""
+    return cfg.dtype == "bfloat16" and device.type == "cpu" and not isa.native_bf16()
+
+
 def autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.dtype == "bfloat16":
+    if cfg.dtype == "bfloat16" and not emulated_bf16(cfg, device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -109,6 +117,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         device = distributed.device_for(cfg.device, world)
+        if emulated_bf16(cfg, device) and world.rank == 0:
+            print(f"this CPU runs no bf16 instructions at the {isa.current()} level (AVX512-BF16 or AMX): bf16 matmuls would "
+                  "be ~100x slower than float32's, so --dtype bfloat16 computes in float32", file=sys.stderr, flush=True)
         torch.manual_seed(cfg.seed)
         model = Transformer(ModelConfig.from_dict(state["config"]))
         if "init" in state:
