@@ -180,6 +180,14 @@ def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
     return run
 
 
+def measuring_env() -> dict[str, str]:
+    """The environment of the `decoderlm` processes this script times: this checkout's decoderlm, and no
+    compiled step built in the background while others are timed (a mode whose step the speed pass built,
+    int4, uses it, as `chat` does from its second run; the others decode eagerly, as on a first run)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "DECODERLM_BACKGROUND_COMPILE": "off"}
+
+
 def llamacpp_build() -> str | None:
     """The instruction sets llama.cpp was built for (its system info), or None without llama-cpp-python.
     LLAMA_CPP_LIB_PATH points llama-cpp-python at another build (e.g. an AVX2-only one for --isa avx2)."""
@@ -270,7 +278,7 @@ def cold_run(cmd: list[str]) -> ColdRun:
     and read its peak RSS from the kernel's account of the finished process. A forked child inherits
     its parent's peak RSS as its own starting point, and this process holds every engine's model, so
     `cmd` is started by a small launcher process (SPAWN) instead, whose peak is a few MB."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = measuring_env()
     with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as rss:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-S", "-c", SPAWN, rss.name, *cmd], stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env)
@@ -302,7 +310,7 @@ def memory_account(cli_args: list[str]) -> dict[str, dict[str, float]]:
     """Where a `decoderlm` command's memory goes, stage by stage (imports, GGUF header, tokenizer,
     weights, fusing, KV cache, first forward, the rest of generation), in a fresh process: each stage's
     own peak RSS (VmHWM, reset after each stage) and the RSS it leaves. Linux only (/proc)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = measuring_env()
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         proc = subprocess.run([sys.executable, "-c", STAGES, out.name, *cli_args], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
         if proc.returncode != 0:

@@ -8,8 +8,8 @@ rather than torch.compile because a later run only loads the library (~0.05 s); 
 the model again in every process even when its kernels are cached on disk (measured: tens of seconds).
 
 At run time the library computes with the model's own weights and cache buffers, handed to it as
-user-managed constants (no copy); the package also holds the weights as they were at compile time, for
-the constants inductor derives from them (int4 weights repacked), which is why the key includes them.
+user-managed constants (no copy). Only a model on torch's int4 kernel has its weights in the package too,
+for the constants inductor derives from them (int4 weights repacked); that is why the key includes them.
 One package serves every position (the position is a tensor input); it is built per cache size,
 rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
@@ -37,6 +37,7 @@ from decoderlm import kernels
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import Transformer
 from decoderlm.model.moe import MoE
+from decoderlm.quantize import Int4Linear
 
 MIN_BUCKET = 256
 # Code the compiled graph is made of: editing any of it must not reuse an old package.
@@ -225,7 +226,11 @@ class CompiledDecoder:
             program = torch.export.export(step, example)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+            # Without the weights where none is derived from them (decoderlm's blocks go to its kernels as
+            # they are): the package stays a few MB, and loading it reads no second copy of the model.
+            own = not any(isinstance(m, Int4Linear) for m in self.model.modules())
+            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
         self.compiles += 1
 
