@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +69,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json fields for this model. Refuses a config the family cannot express exactly (reading
     the result back must give the same model), so an exported checkpoint never means something else."""
     family = family_of(config.family)
+    if family.write is None:
+        raise DecoderLMError(f"decoderlm reads {family.model_type} folders but does not write them; save the model as another family")
     d = {"architectures": [family.architecture], "model_type": family.model_type, **family.write(config)}
     back = ModelConfig(**family.read(d))
     for f in dataclasses.fields(ModelConfig):
@@ -85,6 +88,9 @@ def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: 
     path = Path(path)
     d = read_config(path)
     config = loadable_config(d, str(path))
+    family = family_of(d.get("model_type"))
+    if family.unloaded:
+        print(f"{family.model_type}: running {family.unloaded}", file=sys.stderr)
     if (path / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_hf_folder(path)
     elif text:
@@ -92,14 +98,17 @@ def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: 
                              "files from the original checkpoint into it, or drive it with token ids (generate --prompt-ids)")
     else:
         tokenizer = IdsOnly(path)
-    model = load_weights(path, config, torch_dtype, device)
+    model = load_weights(path, config, torch_dtype, device, family)
     model.generation_defaults = generation_defaults(path)
     return model.eval(), tokenizer
 
 
 @torch.no_grad()
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
-    family = family_of(config.family)
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 family: Family | None = None) -> Transformer:
+    """The model with the folder's weights. family: the folder's, where it differs from the model's (a gemma3 folder
+    holds a gemma3_text model)."""
+    family = family or family_of(config.family)
     model = empty_model(config, dtype, device)
     params = model.state_dict()
     table = expand(family, config, set(params))
@@ -153,7 +162,8 @@ def _table_key(name: str, table: dict[str, Row], family: Family, config: ModelCo
     for key in (name, family.optional_prefix + name, *aliased):
         if key in table:
             return key
-    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_embeddings):
+    tied_head = config.tie_embeddings and "lm_head.weight" in (name, *aliased)
+    if name.endswith(IGNORED_SUFFIXES) or name.startswith(family.skipped) or tied_head:
         return None
     if family.mtp_layers and (layer := re.match(r"model\.layers\.(\d+)\.", name)) and int(layer.group(1)) >= config.n_layers:
         return None
