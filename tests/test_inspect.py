@@ -226,8 +226,8 @@ def test_inspect_says_it_runs_a_supported_config(name, runs, capsys):
 
 @pytest.mark.parametrize("cfg, reason", [
     (FALCON_7B, "model_type 'falcon' is not supported; supported families: gpt2, llama"),
-    (json.loads((CONFIGS / "gpt-oss-20b.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}},
-     "holds mxfp4 weights (config.json's quantization_config), which decoderlm does not read"),
+    (json.loads((CONFIGS / "gpt-oss-20b.json").read_text()) | {"quantization_config": {"quant_method": "fp8"}},
+     "holds fp8 weights (config.json's quantization_config), which decoderlm does not read"),
 ])
 def test_inspect_says_plainly_what_load_refuses(cfg, reason, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -4,7 +4,8 @@ model.safetensors.index.json) + tokenizer files + generation_config.json.
 Loading builds the model on the meta device (no memory, no random init to throw away), allocates it
 once in the requested dtype, and copies the checkpoint in one tensor at a time, read lazily from the
 memory-mapped files: peak memory is the model plus one tensor. Each family's names and transforms
-are in `decoderlm.formats.families`.
+are in `decoderlm.formats.families`. gpt-oss's published experts, MXFP4 `_blocks` + `_scales` pairs, are
+dequantized as they are read (`decoderlm.formats.mxfp4`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.build import empty_model
 from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of, to_checkpoint, to_ours
+from decoderlm.formats.mxfp4 import dequantize_hf_experts
 from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
@@ -56,12 +58,13 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
 
 def loadable_config(d: dict[str, Any], where: str = "this checkpoint") -> ModelConfig:
-    """`config_from_hf`, also refusing what `load_hf` cannot read beyond the config: pre-quantized weights."""
-    if d.get("quantization_config"):  # gpt-oss ships its experts in MXFP4 blocks and scales, others in GPTQ/AWQ/FP8 layouts
-        method = d["quantization_config"].get("quant_method", "pre-quantized")
+    """`config_from_hf`, also refusing what `load_hf` cannot read beyond the config: pre-quantized weights other
+    than gpt-oss's MXFP4 experts."""
+    method = (d.get("quantization_config") or {}).get("quant_method", "pre-quantized")
+    if d.get("quantization_config") and not (method == "mxfp4" and d.get("model_type") == "gpt_oss"):  # GPTQ, AWQ, FP8 layouts
         raise DecoderLMError(f"{where} holds {method} weights (config.json's quantization_config), which decoderlm does not read; "
-                             "dequantize it with transformers (for gpt-oss: Mxfp4Config(dequantize=True)) and save_pretrained, "
-                             "then load that folder (or pass --quantize int8/int4 to decoderlm)")
+                             "dequantize it with transformers and save_pretrained, then load that folder "
+                             "(or pass --quantize int8/int4 to decoderlm)")
     return config_from_hf(d)
 
 
@@ -98,16 +101,17 @@ def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: 
                              "files from the original checkpoint into it, or drive it with token ids (generate --prompt-ids)")
     else:
         tokenizer = IdsOnly(path)
-    model = load_weights(path, config, torch_dtype, device, family)
+    mxfp4 = (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    model = load_weights(path, config, torch_dtype, device, family, mxfp4)
     model.generation_defaults = generation_defaults(path)
     return model.eval(), tokenizer
 
 
 @torch.no_grad()
 def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 family: Family | None = None) -> Transformer:
+                 family: Family | None = None, mxfp4: bool = False) -> Transformer:
     """The model with the folder's weights. family: the folder's, where it differs from the model's (a gemma3 folder
-    holds a gemma3_text model)."""
+    holds a gemma3_text model); mxfp4: expert tensors may come as `_blocks` + `_scales` pairs, dequantized here."""
     family = family or family_of(config.family)
     model = empty_model(config, dtype, device)
     params = model.state_dict()
@@ -115,14 +119,20 @@ def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: to
     files = _weight_files(path)
     quiet = True if sum(f.stat().st_size for f in files) < PROGRESS_BYTES else None  # None: a bar on a terminal only
     seen: set[str] = set()
+    halves: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks or scales read before their other half
     with tqdm(total=len(table), desc=f"loading {path.name}", unit="tensor", disable=quiet, leave=False) as bar:
         for file in files:
             with _open(file) as f:
                 for name in f.keys():
+                    tensor = None
+                    if mxfp4 and name.endswith(("_blocks", "_scales")):
+                        name, tensor = _mxfp4_pair(name, f.get_tensor(name), halves)
+                        if tensor is None:
+                            continue
                     key = _table_key(name, table, family, config)
                     if key is None:
                         continue
-                    _copy_in(table[key], f.get_tensor(name), params)
+                    _copy_in(table[key], f.get_tensor(name) if tensor is None else tensor, params)
                     seen.add(key)
                     bar.update()
     missing = [name for name in table if name not in seen]
@@ -154,6 +164,17 @@ def _open(file: Path) -> Iterator[Any]:
     except (SafetensorError, OSError) as e:
         raise DecoderLMError(f"{file} is not a readable safetensors file ({e}); it is truncated or corrupt: "
                              "download or convert it again") from None
+
+
+def _mxfp4_pair(name: str, tensor: torch.Tensor, halves: dict[str, dict[str, torch.Tensor]]) -> tuple[str, torch.Tensor | None]:
+    """(the experts tensor's name, its values) once both its `_blocks` and `_scales` are read (they may sit in
+    different shards); (name, None) while one waits in `halves`."""
+    base, half = name.rsplit("_", 1)
+    halves.setdefault(base, {})[half] = tensor
+    if len(halves[base]) < 2:
+        return base, None
+    pair = halves.pop(base)
+    return base, dequantize_hf_experts(pair["blocks"], pair["scales"])
 
 
 def _table_key(name: str, table: dict[str, Row], family: Family, config: ModelConfig) -> str | None:
