@@ -226,10 +226,8 @@ def test_inspect_says_it_runs_a_supported_config(name, runs, capsys):
 
 @pytest.mark.parametrize("cfg, reason", [
     (FALCON_7B, "model_type 'falcon' is not supported; supported families: gpt2, llama"),
-    ({"model_type": "gemma3", "text_config": json.loads((CONFIGS / "gemma-3-1b.json").read_text()), "vision_config": {"hidden_size": 1152}},
-     "model_type 'gemma3' is not supported"),  # the multimodal wrapper: its text model is a runnable family, the folder is not
-    (json.loads((CONFIGS / "gpt-oss-20b.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}},
-     "holds mxfp4 weights (config.json's quantization_config), which decoderlm does not read"),
+    (json.loads((CONFIGS / "gpt-oss-20b.json").read_text()) | {"quantization_config": {"quant_method": "fp8"}},
+     "holds fp8 weights (config.json's quantization_config), which decoderlm does not read"),
 ])
 def test_inspect_says_plainly_what_load_refuses(cfg, reason, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -241,8 +239,8 @@ def test_inspect_says_plainly_what_load_refuses(cfg, reason, tmp_path, capsys):
 
 
 def test_inspect_says_a_multimodal_count_leaves_the_vision_tower_out(tmp_path, capsys):
-    """A multimodal wrapper decoderlm does not run (Gemma-3's): the count is its language model's, and the
-    report says the tower is left out. A vision-language family it runs (Qwen2-VL) counts both towers."""
+    """A multimodal wrapper whose language model only decoderlm runs (Gemma-3's): the count is its language model's,
+    and the report says the tower is left out. A vision-language family it runs whole (Qwen2-VL) counts both towers."""
     text = json.loads((CONFIGS / "gemma-3-1b.json").read_text())
     wrapper = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 1152}}
     (tmp_path / "config.json").write_text(json.dumps(wrapper))

@@ -236,15 +236,15 @@ def test_gpt_oss_config_without_rope_reads_transformers_default_yarn():
 
 
 def test_a_pre_quantized_checkpoint_is_refused_in_one_line(tmp_path):
-    """The published gpt-oss checkpoints store their experts as MXFP4 blocks and scales."""
+    """Pre-quantized layouts other than gpt-oss's MXFP4 experts (tests/test_mxfp4.py), here FP8."""
     import json
 
     from decoderlm.errors import DecoderLMError
 
     make_hf_model("gpt_oss", tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(d | {"quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(DecoderLMError, match="holds mxfp4 weights .* Mxfp4Config\\(dequantize=True\\)"):
+    (tmp_path / "config.json").write_text(json.dumps(d | {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(DecoderLMError, match="holds fp8 weights .* dequantize it with transformers and save_pretrained"):
         load(tmp_path)
 
 

@@ -60,11 +60,13 @@ class Family:
     model_type: str
     architecture: str  # the transformers class that loads the checkpoint
     read: Callable[[dict[str, Any]], dict[str, Any]]  # config.json → ModelConfig fields
-    write: Callable[[ModelConfig], dict[str, Any]]  # ModelConfig → config.json fields
+    write: Callable[[ModelConfig], dict[str, Any]] | None  # ModelConfig → config.json fields; None: read only (Gemma-3's wrapper)
     table: tuple[Row, ...]
     optional_prefix: str = ""  # older checkpoints may omit it (GPT-2: "transformer.")
     mtp_layers: bool = False  # layers numbered from n_layers on are a multi-token-prediction module (DeepSeek-V3), unused here
     aliases: tuple[tuple[str, str], ...] = ()  # (prefix, the table's prefix) for names newer checkpoints spell differently
+    skipped: tuple[str, ...] = ()  # prefixes of checkpoint tensors left unread (a multimodal wrapper's vision tower)
+    unloaded: str = ""  # what loading leaves out, said on stderr and by `inspect`
 
 
 def row(ckpt: str, *ours: str, transpose: bool = False, layout: str = "") -> Row:
@@ -201,6 +203,10 @@ VISION_TABLE = (
 )
 QWEN_VL_TABLE = LLAMA_TABLE + VISION_TABLE
 QWEN_VL_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))  # transformers 5's own spelling
+# Gemma-3's multimodal folder (Gemma3ForConditionalGeneration): its language model's tensors under transformers 5's
+# prefix or the older one (the published checkpoints'); the SigLIP tower and the projector are not read.
+GEMMA3_ALIASES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+GEMMA3_SKIPPED = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 # Buffers some checkpoints carry that hold no learned values (GPT-2's causal mask, old Llama's inv_freq).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -402,6 +408,18 @@ def _write_gemma3(c: ModelConfig) -> dict[str, Any]:
                                        SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_theta, **(c.rope_local_scaling or {})}})
 
 
+# Gemma3TextConfig's defaults for the keys the published multimodal configs leave out of text_config.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, max_position_embeddings=131072, sliding_window=4096)
+
+
+def _read_gemma3_wrapper(d: dict[str, Any]) -> dict[str, Any]:
+    """A gemma3 folder's language model as the gemma3_text model it is. transformers' wrapper ties lm_head by its
+    own tie_word_embeddings and soft-caps no logits (text_config's final_logit_softcapping is unread)."""
+    text = GEMMA3_TEXT_DEFAULTS | (d.get("text_config") or {}) | dict(
+        model_type="gemma3_text", tie_word_embeddings=d.get("tie_word_embeddings", True), final_logit_softcapping=None)
+    return _read_gemma3(text)
+
+
 # transformers' RoPE for a gpt_oss config.json that names none: YaRN ×32 from 4,096.
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
 
@@ -558,6 +576,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo2", "Olmo2ForCausalLM", _read_olmo2, _write_llama_like, OLMO2_TABLE),
     Family("gemma2", "Gemma2ForCausalLM", _read_gemma2, _write_gemma2, GEMMA2_TABLE),
     Family("gemma3_text", "Gemma3ForCausalLM", _read_gemma3, _write_gemma3, GEMMA2_TABLE),
+    Family("gemma3", "Gemma3ForConditionalGeneration", _read_gemma3_wrapper, None, GEMMA2_TABLE, aliases=GEMMA3_ALIASES,
+           skipped=GEMMA3_SKIPPED, unloaded="the language model only; the vision tower (SigLIP) is not loaded"),
     Family("gpt_oss", "GptOssForCausalLM", _read_gpt_oss, _write_gpt_oss, GPT_OSS_TABLE),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", partial(_read_deepseek, v3=False), partial(_write_deepseek, v3=False), DEEPSEEK_TABLE),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", partial(_read_deepseek, v3=True), partial(_write_deepseek, v3=True), DEEPSEEK_TABLE,

@@ -1,7 +1,7 @@
 """Dequantization of the GGUF block types newer files ship with, vectorised in torch over all blocks
 at once: Q5_0 / Q5_1 (5-bit values, the fifth bits packed apart), Q2_K / Q3_K (256-value super-blocks
 of 16 sub-blocks with their own small scales), IQ4_NL / IQ4_XS (4-bit indices into a fixed non-uniform
-table of 16 levels) and MXFP4 (gpt-oss's experts: e2m1 values with a power-of-two scale per 32).
+table of 16 levels) and MXFP4 (gpt-oss's experts: e2m1 values with a power-of-two scale per 32, `mxfp4`).
 Each follows ggml's block layout (ggml-common.h) byte for byte; tests check each against the `gguf`
 package's own `gguf.quants.dequantize`."""
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from decoderlm.formats import mxfp4
+
 # type → (weights per block, bytes per block)
 BLOCKS = {Q.Q5_0: (32, 22), Q.Q5_1: (32, 24), Q.Q2_K: (256, 84), Q.Q3_K: (256, 110),
           Q.IQ4_NL: (32, 18), Q.IQ4_XS: (256, 136), Q.MXFP4: (32, 17)}
 IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
-E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)  # MXFP4's values ×2
 
 
 def dequantize_blocks(raw: torch.Tensor, kind: Q) -> torch.Tensor:
@@ -86,10 +87,8 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
-    """An e8m0 exponent byte (halved: the values are stored doubled), then 16 bytes of e2m1 nibbles."""
-    e = b[:, 0:1].int()
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
-    return bits.view(torch.float32) * E2M1_DOUBLED[_nibbles(b[:, 1:17]).long()]
+    """An e8m0 exponent byte, then 16 bytes of e2m1 nibbles."""
+    return mxfp4.values(_nibbles(b[:, 1:17]), b[:, 0:1])
 
 
 _DEQUANT = {Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.MXFP4: _mxfp4}

@@ -4,7 +4,8 @@ model.safetensors.index.json) + tokenizer files + generation_config.json.
 Loading builds the model on the meta device (no memory, no random init to throw away), allocates it
 once in the requested dtype, and copies the checkpoint in one tensor at a time, read lazily from the
 memory-mapped files: peak memory is the model plus one tensor. Each family's names and transforms
-are in `decoderlm.formats.families`.
+are in `decoderlm.formats.families`. gpt-oss's published experts, MXFP4 `_blocks` + `_scales` pairs, are
+dequantized as they are read (`decoderlm.formats.mxfp4`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +28,7 @@ from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.build import empty_model
 from decoderlm.formats.families import IGNORED_SUFFIXES, Family, Row, expand, family_of, to_checkpoint, to_ours
+from decoderlm.formats.mxfp4 import dequantize_hf_experts
 from decoderlm.jsonio import read_json
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams
@@ -55,12 +58,13 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
 
 def loadable_config(d: dict[str, Any], where: str = "this checkpoint") -> ModelConfig:
-    """`config_from_hf`, also refusing what `load_hf` cannot read beyond the config: pre-quantized weights."""
-    if d.get("quantization_config"):  # gpt-oss ships its experts in MXFP4 blocks and scales, others in GPTQ/AWQ/FP8 layouts
-        method = d["quantization_config"].get("quant_method", "pre-quantized")
+    """`config_from_hf`, also refusing what `load_hf` cannot read beyond the config: pre-quantized weights other
+    than gpt-oss's MXFP4 experts."""
+    method = (d.get("quantization_config") or {}).get("quant_method", "pre-quantized")
+    if d.get("quantization_config") and not (method == "mxfp4" and d.get("model_type") == "gpt_oss"):  # GPTQ, AWQ, FP8 layouts
         raise DecoderLMError(f"{where} holds {method} weights (config.json's quantization_config), which decoderlm does not read; "
-                             "dequantize it with transformers (for gpt-oss: Mxfp4Config(dequantize=True)) and save_pretrained, "
-                             "then load that folder (or pass --quantize int8/int4 to decoderlm)")
+                             "dequantize it with transformers and save_pretrained, then load that folder "
+                             "(or pass --quantize int8/int4 to decoderlm)")
     return config_from_hf(d)
 
 
@@ -68,6 +72,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """config.json fields for this model. Refuses a config the family cannot express exactly (reading
     the result back must give the same model), so an exported checkpoint never means something else."""
     family = family_of(config.family)
+    if family.write is None:
+        raise DecoderLMError(f"decoderlm reads {family.model_type} folders but does not write them; save the model as another family")
     d = {"architectures": [family.architecture], "model_type": family.model_type, **family.write(config)}
     back = ModelConfig(**family.read(d))
     for f in dataclasses.fields(ModelConfig):
@@ -85,6 +91,9 @@ def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: 
     path = Path(path)
     d = read_config(path)
     config = loadable_config(d, str(path))
+    family = family_of(d.get("model_type"))
+    if family.unloaded:
+        print(f"{family.model_type}: running {family.unloaded}", file=sys.stderr)
     if (path / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_hf_folder(path)
     elif text:
@@ -92,28 +101,38 @@ def load_hf(path: str | Path, torch_dtype: torch.dtype = torch.float32, device: 
                              "files from the original checkpoint into it, or drive it with token ids (generate --prompt-ids)")
     else:
         tokenizer = IdsOnly(path)
-    model = load_weights(path, config, torch_dtype, device)
+    mxfp4 = (d.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    model = load_weights(path, config, torch_dtype, device, family, mxfp4)
     model.generation_defaults = generation_defaults(path)
     return model.eval(), tokenizer
 
 
 @torch.no_grad()
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
-    family = family_of(config.family)
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 family: Family | None = None, mxfp4: bool = False) -> Transformer:
+    """The model with the folder's weights. family: the folder's, where it differs from the model's (a gemma3 folder
+    holds a gemma3_text model); mxfp4: expert tensors may come as `_blocks` + `_scales` pairs, dequantized here."""
+    family = family or family_of(config.family)
     model = empty_model(config, dtype, device)
     params = model.state_dict()
     table = expand(family, config, set(params))
     files = _weight_files(path)
     quiet = True if sum(f.stat().st_size for f in files) < PROGRESS_BYTES else None  # None: a bar on a terminal only
     seen: set[str] = set()
+    halves: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks or scales read before their other half
     with tqdm(total=len(table), desc=f"loading {path.name}", unit="tensor", disable=quiet, leave=False) as bar:
         for file in files:
             with _open(file) as f:
                 for name in f.keys():
+                    tensor = None
+                    if mxfp4 and name.endswith(("_blocks", "_scales")):
+                        name, tensor = _mxfp4_pair(name, f.get_tensor(name), halves)
+                        if tensor is None:
+                            continue
                     key = _table_key(name, table, family, config)
                     if key is None:
                         continue
-                    _copy_in(table[key], f.get_tensor(name), params)
+                    _copy_in(table[key], f.get_tensor(name) if tensor is None else tensor, params)
                     seen.add(key)
                     bar.update()
     missing = [name for name in table if name not in seen]
@@ -147,13 +166,25 @@ def _open(file: Path) -> Iterator[Any]:
                              "download or convert it again") from None
 
 
+def _mxfp4_pair(name: str, tensor: torch.Tensor, halves: dict[str, dict[str, torch.Tensor]]) -> tuple[str, torch.Tensor | None]:
+    """(the experts tensor's name, its values) once both its `_blocks` and `_scales` are read (they may sit in
+    different shards); (name, None) while one waits in `halves`."""
+    base, half = name.rsplit("_", 1)
+    halves.setdefault(base, {})[half] = tensor
+    if len(halves[base]) < 2:
+        return base, None
+    pair = halves.pop(base)
+    return base, dequantize_hf_experts(pair["blocks"], pair["scales"])
+
+
 def _table_key(name: str, table: dict[str, Row], family: Family, config: ModelConfig) -> str | None:
     """The table entry for a checkpoint tensor; None for tensors that carry nothing we use."""
     aliased = [new + name[len(old):] for old, new in family.aliases if name.startswith(old)]
     for key in (name, family.optional_prefix + name, *aliased):
         if key in table:
             return key
-    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_embeddings):
+    tied_head = config.tie_embeddings and "lm_head.weight" in (name, *aliased)
+    if name.endswith(IGNORED_SUFFIXES) or name.startswith(family.skipped) or tied_head:
         return None
     if family.mtp_layers and (layer := re.match(r"model\.layers\.(\d+)\.", name)) and int(layer.group(1)) >= config.n_layers:
         return None

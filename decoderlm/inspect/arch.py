@@ -79,6 +79,7 @@ class ArchSpec:
     vision: dict[str, Any] | None = None  # a vision-language model's vision tower: decoderlm.model.vision.VisionConfig's fields
     source: str = ""
     refused: str | None = None  # why `load` refuses this model (None: decoderlm runs it)
+    unloaded: str = ""  # what `load` leaves out of a model it runs (Gemma-3's vision tower)
     uncounted: list[str] = dataclasses.field(default_factory=list)  # towers outside the counts (a multimodal model's vision_config)
 
     @property
@@ -104,8 +105,10 @@ class ArchSpec:
         return f"{kind} {self.n_heads}:{self.n_kv_heads}"
 
     def runs(self) -> str:
-        """Whether decoderlm runs this model, in one line: "yes" or "no: <the loader's reason>"."""
-        return "yes" if self.refused is None else f"no: {self.refused}"
+        """Whether decoderlm runs this model, in one line: "yes", "yes, <what it leaves out>" or "no: <the loader's reason>"."""
+        if self.refused is not None:
+            return f"no: {self.refused}"
+        return f"yes, {self.unloaded}" if self.unloaded else "yes"
 
     def features(self) -> list[str]:
         """One line per thing that sets this family apart."""
@@ -165,12 +168,14 @@ def spec_from_hf(cfg: dict[str, Any], source: str = "") -> ArchSpec:
         refused = None
     except DecoderLMError as e:  # the loader's own reason
         refused = str(e)
-    runs_vision = cfg.get("model_type") in FAMILIES  # a vision-language family decoderlm runs counts its tower
-    towers = [] if runs_vision else [key for key in cfg if key.endswith("_config") and any(m in key for m in ("vision", "audio", "speech"))]
-    if "text_config" in cfg and not runs_vision:  # multimodal wrappers (Gemma-3 4B+): the counts are the language model's
+    family = FAMILIES.get(cfg.get("model_type"))
+    whole = family is not None and not family.unloaded  # a vision-language family decoderlm runs whole counts its tower
+    towers = [] if whole else [key for key in cfg if key.endswith("_config") and any(m in key for m in ("vision", "audio", "speech"))]
+    if "text_config" in cfg and family is None:  # other multimodal wrappers: the counts are the language model's
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
     spec = _spec_from_text_hf(cfg, source)
     spec.refused, spec.uncounted = refused, towers
+    spec.unloaded = family.unloaded if family is not None and refused is None else ""
     return spec
 
 
