@@ -20,7 +20,11 @@ is reported too, and with --full one 2000-step run of each engine gives the val 
 end. Writes benchmarks/results/train_vs_nanogpt.json (or --out).
 
     python benchmarks/train_vs_nanogpt.py --nanogpt PATH [--data tinyshakespeare.txt] [--threads 1] [--full]
-        [--flags "--dtype bfloat16 --compile"] [--short 20 --long 220 --repeats 3]
+        [--flags "--dtype bfloat16 --compile"] [--short 20 --long 220 --repeats 3] [--isa native|avx2|avx512|default]
+
+`--isa avx2` runs every engine (nanoGPT included) as an AVX2 CPU would (`decoderlm.isa.env`) and writes
+train_vs_nanogpt_avx2.json. There bf16 has no instructions: decoderlm's best mode computes in fp32 (with
+a note), so it is the compiled fp32 step.
 
 PATH is a nanoGPT work tree or a bare git directory of it (its HEAD is extracted); nothing of it is
 copied into this repository.
@@ -129,8 +133,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--flags", default="--dtype bfloat16 --compile", help="decoderlm train options of its best mode")
     p.add_argument("--full", action="store_true", help="also one 2000-step run of each engine, for the loss at the recipe's end")
-    p.add_argument("--out", type=Path, default=RESULTS, help="the JSON to write")
+    p.add_argument("--out", type=Path, default=None, help="the JSON to write (default: results/train_vs_nanogpt[_ISA].json)")
+    p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
+                   help="the CPU level every engine's torch runs at, nanoGPT's too (as on a CPU that has no more)")
     args = p.parse_args()
+    if args.isa != "native" and args.isa != isa.current():  # torch reads its level once: run again under it
+        if args.isa not in isa.supported():
+            raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
+        os.execve(sys.executable, [sys.executable, *sys.argv], isa.env(args.isa))
+    args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     data = args.data.resolve()
     configs = {"decoderlm_fp32_eager": [], "decoderlm_best_mode": args.flags.split()}
     engines = ["nanogpt", *configs]
