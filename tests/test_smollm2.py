@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 import transformers
@@ -69,10 +70,17 @@ def test_chat_template_renders_like_transformers(ours, ref_tokenizer):
 
 
 def test_logits_match_transformers(ours, ref_model):
+    """Our fp32 logits against the exact ones: transformers' model in float64 from the same fp32 weights.
+    Within 1e-4, or within twice transformers' own fp32 error where that is larger: this model's hidden
+    states reach ~25,000, so fp32 rounding alone moves logits by ~1e-4 (transformers' fp32 logits are
+    9e-5 from exact here; ours 8e-5 at AVX-512, 1.3e-4 with torch held to AVX2), and two fp32
+    implementations can differ by the sum of two such errors."""
     ids = torch.tensor([chat_ids(ours[1], PROMPTS[0]) + chat_ids(ours[1], PROMPTS[2])])
+    exact_model = copy.deepcopy(ref_model).double()
     with torch.no_grad():
-        a, b = ours[0](ids).logits, ref_model(ids).logits
-    assert (a - b).abs().max().item() < 1e-4
+        a, b, exact = ours[0](ids).logits, ref_model(ids).logits, exact_model(ids).logits
+    theirs = (b.double() - exact).abs().max().item()
+    assert (a.double() - exact).abs().max().item() < max(1e-4, 2 * theirs)
 
 
 def test_greedy_replies_match_transformers(ours, ref_model):
