@@ -40,7 +40,7 @@ RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="*", default=["int4", "fp32"], help="fp32, int8 or int4")
+    ap.add_argument("--modes", nargs="*", default=["auto", "int4", "fp32"], help="auto (the default), fp32, int8 or int4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)

@@ -1,7 +1,8 @@
 """Generation speed on this machine: decoderlm vs HF transformers vs llama.cpp, same model, same run.
 
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
-of benchmarks/modes.py (fp32; bf16; int8 / int4 weights, int4 being the default on this Q4_1 file);
+of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks,
+decoding with int8 activations);
 transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
 the Q4_1 weights as they are. Each engine decodes greedy tokens for the same prompt ids, the torch
 engines all on this one thread (see transformers_engine); time to the first token measures prefill,
@@ -58,7 +59,7 @@ TEXT = ("The history of the decoder-only Transformer begins with language modell
         "from the tokens before it. Stacking causal self-attention and feed-forward blocks, ") * 20
 Engine = Callable[[list[int], int], Iterable[int] | Iterable[tuple[float, int]]]  # see timed()
 DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
-COMPILED = "decoderlm int4 compiled"  # the default mode through the compiled step: chat's decode from its second run
+COMPILED = "decoderlm auto compiled"  # the default mode through the compiled step: chat's decode from its second run
 TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
 BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
 COLD_MESSAGE = "What is the capital of France?"
@@ -183,7 +184,7 @@ def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
 def measuring_env() -> dict[str, str]:
     """The environment of the `decoderlm` processes this script times: this checkout's decoderlm, and no
     compiled step built in the background while others are timed (a mode whose step the speed pass built,
-    int4, uses it, as `chat` does from its second run; the others decode eagerly, as on a first run)."""
+    auto, uses it, as `chat` does from its second run; the others decode eagerly, as on a first run)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "DECODERLM_BACKGROUND_COMPILE": "off"}
 
@@ -218,7 +219,7 @@ def speed(gguf: Path, names: list[str], args: argparse.Namespace) -> tuple[dict[
     ids = tokenizer.encode(TEXT)[: args.prompt_tokens]
     builders: dict[str, Callable[[], Engine | None]] = {
         **{name: (lambda kw=kw: decoderlm_engine(gguf, kw)) for name, kw in DECODERLM.items()},
-        COMPILED: lambda: decoderlm_engine(gguf, MODES["int4"], compile=True),
+        COMPILED: lambda: decoderlm_engine(gguf, MODES["auto"], compile=True),
         **{name: (lambda dt=dt: transformers_engine(gguf, dt)) for name, dt in TRANSFORMERS.items()},
         "llama.cpp": lambda: llamacpp_engine(gguf, args.threads),
     }

@@ -7,7 +7,9 @@ Perplexity: two real texts are scored teacher-forced (every position predicts th
 true tokens before it, in one forward): a fixed slice of tiny Shakespeare and a multi-turn chat
 (benchmarks/fixtures/chat.json) rendered with the model's own chat template. Per mode and text:
 perplexity, its change against float32, and top-1 agreement (the share of positions whose most
-likely next token is float32's). llama.cpp (llama-cpp-python, optional) runs the same GGUF's
+likely next token is float32's). A mode whose decode steps compute differently from a prompt's
+forward (auto: int8 activations in decode steps) is scored step by step, one token at a time through
+the KV cache, as it decodes. llama.cpp (llama-cpp-python, optional) runs the same GGUF's
 blocks as they are, on the same token ids, as a peer. A mode is "faithful" when its perplexity is
 within 1 % of float32's on every text.
 
@@ -40,7 +42,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tqdm import tqdm
+
 from decoderlm import Transformer, isa, load
+from decoderlm.generate import decode_step
+from decoderlm.kv_cache import cache_for
 from decoderlm.names import DEFAULT_MODEL, locate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -92,9 +98,27 @@ def predictions(model: Transformer, inputs: dict[str, list[int]]) -> dict[str, P
     return {name: from_logits(model(torch.tensor([ids])).logits[0].float(), ids) for name, ids in inputs.items()}
 
 
+@torch.inference_mode()
+def stepwise_predictions(model: Transformer, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
+    """Scores as decoding computes them: each position a one-token decode step through the KV cache. For
+    a mode whose decode steps compute differently from a prompt's forward (auto: int8 activations), a
+    teacher-forced forward would measure the prompt path instead."""
+    out = {}
+    for name, ids in inputs.items():
+        cache = cache_for(model.config, 1, len(ids))
+        logits = [decode_step(model, torch.tensor([token]), cache)[0].float() for token in tqdm(ids, desc=f"{name}, step by step", leave=False)]
+        out[name] = from_logits(torch.stack(logits), ids)
+    return out
+
+
+def decodes_otherwise(model: Transformer) -> bool:
+    """Whether the model's decode steps round activations to int8 (`BlockLinear.int8_x`), its prompts not."""
+    return any(getattr(layer, "int8_x", False) for layer in model.modules())
+
+
 def mode_predictions(gguf: Path, load_kwargs: dict, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
     model, _ = load(gguf, **load_kwargs)
-    out = predictions(model, inputs)
+    out = (stepwise_predictions if decodes_otherwise(model) else predictions)(model, inputs)
     del model  # one model in memory at a time
     gc.collect()
     return out

@@ -27,6 +27,7 @@ from decoderlm.model import Transformer
 from decoderlm.model.cache import Cache
 from decoderlm.model.mrope import ShiftedPositions, mrope_positions
 from decoderlm.model.vision import Images
+from decoderlm.quantize import reading_prompt
 from decoderlm.sampling import SamplingParams, finish_reason, scores, verify, warp
 
 
@@ -65,7 +66,8 @@ class SpeculativeStats:
 
 def prefill(model: Transformer, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Run the whole prompt (B, T) through the model, filling the cache; return last logits (B, V)."""
-    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+    with reading_prompt():
+        return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
 def decode_step(model: Transformer, token: torch.Tensor, cache: Cache) -> torch.Tensor:
@@ -164,14 +166,20 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
         n = min(k, budget - emitted - 1, max_len - len(ids)) if proposer is not None and cache is not None else 0
         guesses, q = proposer.propose(ids, n, params, generator) if n > 0 else ([], None)
         guesses, q = guesses[:n], (q[:n] if q is not None else None)
-        if cache is None:  # the context is full: the window's last logits, recomputed
-            logits = model(torch.tensor([ids[-max_len:]], device=device), logits_to_keep=1).logits[0]  # (1, V)
+        if cache is None:  # the context is full: the window's last logits, recomputed (read as a prompt)
+            with reading_prompt():
+                logits = model(torch.tensor([ids[-max_len:]], device=device), logits_to_keep=1).logits[0]  # (1, V)
         elif step is not None and 0 < cache.length == len(ids) - 1:  # the prompt is prefilled eagerly
             logits = step.step(torch.tensor(ids[-1:], device=device), cache)  # (1, V)
-        else:  # the first forward also prefills the prompt
+        elif cache.length == 0:  # the first forward prefills the prompt, then checks the first guesses as a decode would
+            with reading_prompt():
+                logits = model(torch.tensor([ids], device=device), cache=cache, logits_to_keep=1, images=images).logits[0]  # (1, V)
+            if guesses:
+                checked = model(torch.tensor([guesses], device=device), cache=cache, logits_to_keep=len(guesses)).logits[0]
+                logits = torch.cat([logits, checked])  # (n+1, V)
+        else:  # the last token and the guesses
             feed = torch.tensor([ids[cache.length :] + guesses], device=device)
-            seen_images = images if cache.length == 0 else None
-            logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1, images=seen_images).logits[0]  # (n+1, V)
+            logits = model(feed, cache=cache, logits_to_keep=len(guesses) + 1).logits[0]  # (n+1, V)
         stats.target_forwards += 1
         seen = ids + guesses if guesses else ids  # no copy of the history on a plain step
         s = scores(logits, params, seen, len(ids), prompt_len)  # (n+1, V)

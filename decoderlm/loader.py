@@ -20,7 +20,7 @@ from decoderlm.formats import Format, detect, peft, runs
 from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections
 from decoderlm.model.lora import merge_lora
-from decoderlm.quantize import parse_mode
+from decoderlm.quantize import parse_mode, use_int8_activations
 from decoderlm.quantize import quantize as quantize_weights
 from decoderlm.tokenizer import Tokenizer
 
@@ -54,6 +54,8 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
         model, tokenizer = load_gguf(path, torch_dtype, torch_device, mode)
         if fuse:  # a quantized model's layers are stacked as they are (decoderlm.quantize.concat)
             fuse_projections(model)
+        if mode == "auto":  # the fastest mode: llama.cpp's arithmetic, int8 activations (decoderlm.quantize.BlockLinear)
+            use_int8_activations(model)
         return model, tokenizer
     model, tokenizer = _load(source, path, kind, torch_dtype, torch_device, text)
     if fuse:  # before quantizing: a stacked matrix quantizes row by row to the same numbers

@@ -9,7 +9,9 @@ the model's dtype.
 Where decoderlm's own kernels build (`decoderlm.kernels`: any x86-64 machine with a C compiler) a
 layer is a `BlockLinear`: llama.cpp's Q4_1 / Q8_0 blocks, a file's as they are (Q4_0 being Q4_1 with
 m = -8d), multiplied in fp32. Its result is the float path's up to the order of the sums, for one row
-or many, and the same for a row whatever else is in the batch.
+or many, and the same for a row whatever else is in the batch. `--quantize auto` (the default on a
+quantized GGUF) also decodes as llama.cpp does, with activations rounded to int8 per block of 32 in
+decode steps (`use_int8_activations`); prompts keep the fp32 arithmetic.
 
 Elsewhere the layers run on PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 which are fast only in bf16 (their fp16 and fp32 paths are 20-30x slower in torch 2.13), so activations,
@@ -30,6 +32,7 @@ own scales, kept in fp32 for it (`make_exact`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -314,9 +317,17 @@ class BlockLinear(nn.Module):
     row's result does not depend on the other rows of the batch. From DENSE_TOKENS tokens per sequence
     (a prefill) the weight is dequantized to fp32 once for a BLAS matmul, the float path's own numbers
     (the kernel's cost grows with the rows; BLAS is faster from a few dozen). As the LM head (`exact`)
-    it returns its fp32 logits as they are."""
+    it returns its fp32 logits.
+
+    With `int8_x` (what `--quantize auto` sets, `use_int8_activations`) x is rounded to int8 per block
+    of 32 and integer products are summed, as llama.cpp does: 2-3x faster for one row. The LM head then
+    rescores each row's EXACT_TOP best candidates exactly in fp32 (`rescore`). A prompt, read inside
+    `reading_prompt()`, stays on the fp32 path, so the first token of a reply, which the prompt decides,
+    is the float path's (SmolLM2's "The capital of France is Paris." starts with a 0.08-logit lead that
+    int8 activations reverse); decode steps and speculative checks round."""
 
     exact = False  # set on the LM head: fp32 logits whatever the model's dtype
+    int8_x = False  # x rounded to int8 outside prompts (qdot.c)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: nn.Parameter | None = None) -> None:
         """q (out, in): 4-bit values 0..15 (uint8) with offsets m, or int8 values with m None; d, m (out, in/32),
@@ -340,12 +351,20 @@ class BlockLinear(nn.Module):
         """Float weights on the 4-bit grid of `int4_grid`, or Q8_0's (`q8_blocks`)."""
         return cls(*int4_grid(dequantize(w)), bias) if bits == 4 else cls.from_blocks(q8_blocks(w), bias)
 
+    def extra_repr(self) -> str:
+        return f"{self.blocks.shape[1] * (2 if self.block_offsets is not None else 1)}, {self.out_features}, " \
+               f"{'Q4_1' if self.block_offsets is not None else 'Q8_0'}{', int8_x' if self.int8_x else ''}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
         args = (self.blocks, self.block_scales, self.block_offsets)
         compiling = torch.compiler.is_compiling()
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
             y = h @ (torch.ops.decoderlm.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
+        elif self.int8_x and not PROMPT[0]:
+            y = torch.ops.decoderlm.block_matmul_int8x(h, *args) if compiling else kernels.matmul(h, *args, int8_x=True)
+            if self.exact:
+                y = rescore(y, h, self.weight_rows, None)  # the bias is added below, to every output
         else:
             y = torch.ops.decoderlm.block_matmul(h, *args) if compiling else kernels.matmul(h, *args)
         y = y.view(*x.shape[:-1], -1)  # (..., out)
@@ -364,6 +383,35 @@ class BlockLinear(nn.Module):
     def row_scales(self, ids: torch.Tensor) -> torch.Tensor:
         """The scales d (..., in/32), fp32, of output rows `ids` (...)."""
         return self.block_scales[ids].float()
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 weights (..., in) of output rows `ids` (...), as the kernels dequantize them."""
+        flat = ids.reshape(-1)
+        m = None if self.block_offsets is None else self.block_offsets[flat]
+        args = (self.blocks[flat], self.block_scales[flat], m)
+        w = torch.ops.decoderlm.block_dequantize(*args) if torch.compiler.is_compiling() else kernels.dequantize(*args)
+        return w.view(*ids.shape, -1)
+
+
+PROMPT = [False]  # inside reading_prompt(); a list, so a compiled graph guards on its value
+
+
+@contextmanager
+def reading_prompt() -> Iterator[None]:
+    """Forwards inside read a prompt: BlockLinear keeps the fp32 arithmetic for them (see `int8_x`)."""
+    outer, PROMPT[0] = PROMPT[0], True
+    try:
+        yield
+    finally:
+        PROMPT[0] = outer
+
+
+def use_int8_activations(model: nn.Module) -> nn.Module:
+    """Set `int8_x` on the model's BlockLinear layers: decode with llama.cpp's arithmetic (`--quantize auto`)."""
+    for layer in model.modules():
+        if isinstance(layer, BlockLinear):
+            layer.int8_x = True
+    return model
 
 
 class Int4Linear(nn.Module):

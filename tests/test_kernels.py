@@ -102,14 +102,15 @@ def smollm2():
 
 
 def test_smollm2_default_mode_runs_on_the_blocks_and_answers_as_fp32(smollm2):
-    """The default (`auto`) mode on the embedded Q4_1 file computes with the file's own weights in fp32:
-    logits within 1e-3 of the float path at every position, and the same greedy tokens on varied prompts."""
+    """The default (`auto`) mode on the embedded Q4_1 file: a prompt computes with the file's own weights
+    in fp32 (logits within 1e-3 of the float path at every position), decode steps with int8 activations;
+    the same greedy tokens as the float path on varied prompts."""
     float_model, quant, tok = smollm2
-    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact
+    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and quant.lm_head.int8_x
     prompts = ["What is the capital of France?", "List three colors:", "Write a haiku about the sea.", "What is 17 times 3?"]
     for text in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-        with torch.no_grad():
+        with torch.no_grad(), q.reading_prompt():
             a, b = float_model(torch.tensor([ids])).logits, quant(torch.tensor([ids])).logits
         assert b.dtype == torch.float32 and (a - b).abs().max() < 1e-3, text
         params = SamplingParams(temperature=0, max_new_tokens=16)
@@ -139,3 +140,95 @@ def test_a_prefill_multiplies_by_the_float_paths_own_weight(kind):
     assert torch.equal(layer(x), x @ b.dequantize().T)
     few = x[:, : q.DENSE_TOKENS - 1]
     assert torch.equal(layer(few), torch.stack([kernels.matmul(s, layer.blocks, layer.block_scales, layer.block_offsets) for s in few]))
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as qdot.c rounds it, dequantized: per block of 32, q = round(x · 127/max|x|) times max|x|/127."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax.double() / 127)).view_as(x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 40), k_blocks=st.integers(1, 9), rows=st.integers(1, 7), kind=st.sampled_from(QTYPES), seed=st.integers(0, 99))
+def test_int8_activations_are_llama_cpps_arithmetic(n, k_blocks, rows, kind, seed):
+    """int8_x: x rounded to int8 per block of 32 (scale max|x|/127), then the exact product with the
+    file's weights, up to a few fp32 roundings (row ends inside a quad of blocks included: 1 to 9 blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    b = file_blocks(torch.randn(n, 32 * k_blocks, generator=g) * 0.05 + 0.01, kind)
+    x = torch.randn(rows, 32 * k_blocks, generator=g) * torch.rand(1, 32 * k_blocks, generator=g) * 3
+    layer = q.BlockLinear.from_blocks(b)
+    y = kernels.matmul(x, layer.blocks, layer.block_scales, layer.block_offsets, int8_x=True)
+    xq, w = int8_rows(x), b.dequantize().double()
+    exact = xq @ w.T
+    bound = 2e-6 * (xq.abs() @ w.abs().T + exact.abs()) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all()
+    assert (y.double() - x.double() @ w.T).abs().max() > 0  # x was rounded: not the fp32 path's product
+
+
+@pytest.mark.parametrize("kind", QTYPES)
+def test_int8_activations_give_the_same_bits_at_avx2_and_avx512(kind):
+    """qdot.c forms the same int32 lanes and adds them in the same order at both levels."""
+    levels = [lv for lv in ("avx512", "avx2") if lv in isa.supported()]
+    if len(levels) < 2:
+        pytest.skip("this CPU has no AVX-512: only one of the two levels runs here")
+    torch.manual_seed(8)
+    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(45, 32 * 18) * 0.05, kind))
+    x = torch.randn(5, 32 * 18)
+    name = "q8x8_matmul" if layer.block_offsets is None else "q4x8_matmul"
+    outs = []
+    for lv in levels:
+        y = torch.empty(5, 45)
+        getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), 5, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
+                                                     None if layer.block_offsets is None else layer.block_offsets.data_ptr(), 45, y.data_ptr())
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(2, 21), pick=st.data(), kind=st.sampled_from(QTYPES))
+def test_int8_activations_keep_a_rows_result_apart_from_the_batch(rows, pick, kind):
+    """A decode step of many sequences (B, 1, in), bit for bit each sequence's own step."""
+    torch.manual_seed(rows)
+    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(37, 160) * 0.05, kind))
+    layer.int8_x = True
+    x = torch.randn(rows, 1, 160)
+    whole = layer(x)
+    i = pick.draw(st.integers(0, rows - 1))
+    assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1])
+    assert torch.equal(whole[:, 0], kernels.matmul(x[:, 0], layer.blocks, layer.block_scales, layer.block_offsets, int8_x=True))
+
+
+def test_int8_activations_are_not_for_prompts_and_the_head_rescores_exactly():
+    """A prompt (read inside `reading_prompt`) keeps the fp32 path; other forwards (decode steps, a
+    speculative check of several tokens) round x. As the LM head, each row's EXACT_TOP best logits are
+    the fp32 products with the exact weights."""
+    torch.manual_seed(9)
+    b = file_blocks(torch.randn(300, 96) * 0.05, GGMLQuantizationType.Q8_0)
+    layer = q.BlockLinear.from_blocks(b)
+    layer.int8_x = True
+    x = torch.randn(1, 5, 96)
+    with q.reading_prompt():
+        assert torch.equal(layer(x)[0], kernels.matmul(x[0], layer.blocks, layer.block_scales, None))
+    assert torch.equal(layer(x)[0], kernels.matmul(x[0], layer.blocks, layer.block_scales, None, int8_x=True))
+    head = layer
+    head.exact = True
+    step = torch.randn(3, 1, 96)
+    y = head(step)[:, 0]
+    exact = step[:, 0].double() @ b.dequantize().double().T
+    top = y.topk(q.EXACT_TOP, dim=-1).indices
+    assert torch.allclose(y.gather(-1, top).double(), exact.gather(-1, top), atol=1e-5, rtol=0)
+    assert torch.equal(top.sort().values, exact.topk(q.EXACT_TOP, dim=-1).indices.sort().values)
+    rest = y.double() - exact
+    rest.scatter_(-1, top, 0)
+    assert rest.abs().max() > 1e-7  # the others keep the int8 step's values
+
+
+def test_compiled_int8_step_equals_eager():
+    torch.manual_seed(10)
+    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(40, 160) * 0.05, GGMLQuantizationType.Q4_1))
+    layer.int8_x = True
+    x = torch.randn(2, 1, 160)
+    compiled = torch.compile(lambda t: layer(t).relu(), fullgraph=True)
+    assert torch.equal(compiled(x), layer(x).relu())

@@ -1,5 +1,5 @@
-// blocks.c's kernels as torch operators (decoderlm::block_matmul, decoderlm::block_dequantize; their
-// schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
+// blocks.c's and qdot.c's kernels as torch operators (decoderlm::block_matmul, block_matmul_int8x,
+// block_dequantize; their schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
 // written in C++ without going back to Python: ~3 µs a call against ~15 through Python, ~200 calls a token.
 // Written against torch's stable ABI, whose headers compile in a second.
 #include <torch/csrc/stable/library.h>
@@ -20,6 +20,8 @@ typedef void (*dequantize_fn)(const void *q, const void *d, const void *m, int64
 #define DECLARE(level)                                                                            \
   void q4_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
+  void q4x8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
+  void q8x8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q4_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);  \
   void q8_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);
 DECLARE(avx512)
@@ -28,9 +30,11 @@ DECLARE(default)
 }
 
 namespace {
-// Per level, in the order of VARIANTS in __init__.py: {q4, q8}.
+// Per level, in the order of VARIANTS in __init__.py: {q4, q8}, with fp32 x (blocks.c) and int8 x (qdot.c).
 const matmul_fn MATMUL[3][2] = {{q4_matmul_avx512, q8_matmul_avx512}, {q4_matmul_avx2, q8_matmul_avx2},
                                 {q4_matmul_default, q8_matmul_default}};
+const matmul_fn MATMUL_INT8X[3][2] = {{q4x8_matmul_avx512, q8x8_matmul_avx512}, {q4x8_matmul_avx2, q8x8_matmul_avx2},
+                                      {q4x8_matmul_default, q8x8_matmul_default}};
 const dequantize_fn DEQUANTIZE[3][2] = {{q4_dequantize_avx512, q8_dequantize_avx512},
                                         {q4_dequantize_avx2, q8_dequantize_avx2},
                                         {q4_dequantize_default, q8_dequantize_default}};
@@ -44,17 +48,20 @@ void check(const Tensor &q, const Tensor &d, const std::optional<Tensor> &m) {
   STD_TORCH_CHECK(!m || (m->is_contiguous() && m->scalar_type() == ScalarType::Half), "blocks: offsets m fp16, contiguous");
 }
 
-// y (M, N) = x (M, K) · Wᵀ, fp32.
-Tensor block_matmul(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) {
+// y (M, N) = x (M, K) · Wᵀ, fp32, with fp32 x or x rounded to int8 (`kernels`).
+Tensor matmul(const matmul_fn (&kernels)[3][2], Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) {
   check(q, d, m);
   STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == ScalarType::Float, "x: (M, K) fp32, contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   STD_TORCH_CHECK(K % 32 == 0 && d.size(0) == N && d.size(1) == K / 32, "x's K does not match the blocks");
   Tensor y = torch::stable::new_empty(x, {M, N});
-  MATMUL[level][m ? 0 : 1](static_cast<const float *>(x.data_ptr()), M, K, q.data_ptr(), d.data_ptr(),
+  kernels[level][m ? 0 : 1](static_cast<const float *>(x.data_ptr()), M, K, q.data_ptr(), d.data_ptr(),
                            m ? m->data_ptr() : nullptr, N, static_cast<float *>(y.data_ptr()));
   return y;
 }
+
+Tensor block_matmul(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) { return matmul(MATMUL, x, q, d, m); }
+Tensor block_matmul_int8x(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) { return matmul(MATMUL_INT8X, x, q, d, m); }
 
 // The fp32 weight (N, K).
 Tensor block_dequantize(Tensor q, Tensor d, std::optional<Tensor> m) {
@@ -71,5 +78,6 @@ extern "C" void use_level(int index) { level = index; }
 
 STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("block_matmul", TORCH_BOX(&block_matmul));
+  m.impl("block_matmul_int8x", TORCH_BOX(&block_matmul_int8x));
   m.impl("block_dequantize", TORCH_BOX(&block_dequantize));
 }

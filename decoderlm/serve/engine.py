@@ -23,7 +23,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
 from decoderlm.model.vision import ImageEmbeds, Images
-from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear
+from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear, reading_prompt
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
 from decoderlm.serve.images import PromptImages
 from decoderlm.serve.paged_cache import BlockPool, PagedCache
@@ -257,7 +257,8 @@ class Engine:
         # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
         for group in ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]):
             if group:
-                last = self._forward(group)
+                with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.int8_x)
+                    last = self._forward(group)
                 done = [i for i, (seq, _) in enumerate(group) if seq.pending == 0]
                 logits.append(last[done])
                 rows += [group[i][0] for i in done]

@@ -1,0 +1,278 @@
+/* y = x · Wᵀ for blocks.c's Q4_1 / Q8_0 weights with int8 activations and integer dot products, the
+ * arithmetic of llama.cpp's CPU kernels: each block of 32 inputs of a row of x is rounded to int8 with
+ * a scale dx = max|x| / 127 (llama.cpp's Q8_1), and a block's products are summed exactly in int32:
+ *
+ *   x · w over a block = dw·dx · Σ qw·qx + m·dx·Σ qx     (Q8_0: m = 0)
+ *
+ * That is 2-3x fewer instructions a weight than blocks.c's fp32 path, for x rounded to 8 bits (an
+ * error of at most 1/254 of its block's largest value).
+ *
+ * Lanes: four blocks b..b+3 (a quad, 128 inputs) fill 16 int32 lanes, 4 a block: lane l of block j
+ * sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles, then high).
+ * Every level forms the same lanes (one 512-bit vector, two 256-bit or four 128-bit ones) and adds
+ * them in the same order, so AVX-512 and AVX2 give the same bits (the SSSE3 level, without FMA,
+ * rounds its own way). As in blocks.c, a row's result never depends on the other rows of the batch.
+ *
+ * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd where the CPU has VNNI),
+ * 8 (AVX2) or 4 (SSSE3), and NAME = the suffix of its entry points.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <immintrin.h>
+
+#define NV (16 / VL)  /* float vectors a quad */
+#if VL == 16
+#define NR 4          /* outputs at a time */
+#define MR 2          /* rows of x at a time, where there are that many */
+#else
+#define NR 2
+#define MR 2
+#endif
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+/* A row of x quantized, per quad: its 128 int8 values, inputs 0..15 of the four blocks and then their
+ * inputs 16..31; per lane the block's dx; and dx·Σqx in each block's first lane (0 in the others). */
+typedef struct {
+    int8_t q[128];
+    float dx[16], sx[16];
+} xquad;
+
+static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf tofloat(vi v) { return __builtin_convertvector(v, vf); }
+
+/* A quad's weights in lane order as integer vectors: Q4_1's nibbles (unsigned), or Q8_0's magnitudes
+ * (unsigned) with their signs moved onto x (u8·s8 is what the instructions multiply). `nb` blocks are
+ * read (4; 2 or fewer at the end of a row, the rest 0). */
+#if VL == 16
+typedef struct { __m512i u[2]; __mmask64 neg[2]; } wquad;
+static inline __m512i bytes64(const void *p, int n) {  /* n·16 bytes (n <= 4), zeros after */
+    return n == 4 ? _mm512_loadu_si512(p) : n == 0 ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi8((1ULL << 16 * n) - 1, p);
+}
+static inline void load_q4(const uint8_t *p, int nb, wquad *w) {
+    const __m512i v = bytes64(p, nb), low = _mm512_set1_epi8(15);
+    w->u[0] = _mm512_and_si512(v, low), w->u[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+static inline void load_q8(const int8_t *p, int nb, wquad *w) {
+    const __m512i a = bytes64(p, nb >= 2 ? 4 : 2 * nb), b = bytes64(p + 64, nb >= 2 ? 2 * (nb - 2) : 0);
+    /* blocks j of a and b: 32 bytes each; lane order wants their first halves, then their second */
+    const __m512i lo = _mm512_shuffle_i64x2(a, b, 0x88), hi = _mm512_shuffle_i64x2(a, b, 0xdd);
+    w->neg[0] = _mm512_movepi8_mask(lo), w->neg[1] = _mm512_movepi8_mask(hi);
+    w->u[0] = _mm512_abs_epi8(lo), w->u[1] = _mm512_abs_epi8(hi);
+}
+static inline __m512i dot(__m512i acc, __m512i u, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+/* Per lane: Σ of its 8 products, exact. */
+static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
+    __m512i lo = _mm512_loadu_si512(x), hi = _mm512_loadu_si512(x + 64);
+    if (q8) lo = _mm512_mask_sub_epi8(lo, w->neg[0], _mm512_setzero_si512(), lo), hi = _mm512_mask_sub_epi8(hi, w->neg[1], _mm512_setzero_si512(), hi);
+    s[0] = (vi)dot(dot(_mm512_setzero_si512(), w->u[0], lo), w->u[1], hi);
+}
+/* Per lane, its block's value of the fp16 h[0..nb). */
+static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
+    const __m128 f = _mm_cvtph_ps(nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h));
+    s[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(f));
+}
+#elif VL == 8
+typedef struct { __m256i u[4], sign[4]; } wquad;
+static inline __m256i bytes32(const void *p, int n) {  /* n bytes (0, 16 or 32), zeros after */
+    return n == 32 ? _mm256_loadu_si256((const __m256i *)p) : n == 16 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p)) : _mm256_setzero_si256();
+}
+static inline int part(int nb, int first) { return nb >= first + 2 ? 32 : nb == first + 1 ? 16 : 0; }  /* bytes of blocks first, first+1 (16 each) */
+static inline void load_q4(const uint8_t *p, int nb, wquad *w) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < 2; i++) {  /* blocks 2i, 2i+1 */
+        const __m256i v = bytes32(p + 32 * i, part(nb, 2 * i));
+        w->u[i] = _mm256_and_si256(v, low), w->u[2 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+}
+static inline void load_q8(const int8_t *p, int nb, wquad *w) {
+    for (int i = 0; i < 2; i++) {  /* blocks 2i, 2i+1: 32 bytes each */
+        const __m256i a = bytes32(p + 64 * i, nb > 2 * i ? 32 : 0), b = bytes32(p + 64 * i + 32, nb > 2 * i + 1 ? 32 : 0);
+        w->sign[i] = _mm256_permute2x128_si256(a, b, 0x20), w->sign[2 + i] = _mm256_permute2x128_si256(a, b, 0x31);
+    }
+    for (int i = 0; i < 4; i++) w->u[i] = _mm256_abs_epi8(w->sign[i]);
+}
+static inline __m256i dot2(__m256i u0, __m256i u1, __m256i x0, __m256i x1, int q8) {
+    const __m256i one = _mm256_set1_epi16(1), a = _mm256_maddubs_epi16(u0, x0), b = _mm256_maddubs_epi16(u1, x1);
+    if (q8) return _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));  /* |a + b| could pass 2^15 */
+    return _mm256_madd_epi16(_mm256_add_epi16(a, b), one);  /* |2·15·127| twice fits in int16 */
+}
+static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
+    for (int i = 0; i < 2; i++) {
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(x + 32 * i)), hi = _mm256_loadu_si256((const __m256i *)(x + 64 + 32 * i));
+        if (q8) lo = _mm256_sign_epi8(lo, w->sign[i]), hi = _mm256_sign_epi8(hi, w->sign[2 + i]);
+        s[i] = (vi)dot2(w->u[i], w->u[2 + i], lo, hi, q8);
+    }
+}
+static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
+    _Float16 b[4] = {0, 0, 0, 0};
+    if (nb < 4) memcpy(b, h, 2 * (size_t)nb), h = b;
+    const __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));
+    s[0] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+    s[1] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2));
+}
+#else
+typedef struct { __m128i u[8], sign[8]; } wquad;
+static inline __m128i bytes16(const void *p, int present) {
+    return present ? _mm_loadu_si128((const __m128i *)p) : _mm_setzero_si128();
+}
+static inline void load_q4(const uint8_t *p, int nb, wquad *w) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        const __m128i v = bytes16(p + 16 * j, j < nb);
+        w->u[j] = _mm_and_si128(v, low), w->u[4 + j] = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    }
+}
+static inline void load_q8(const int8_t *p, int nb, wquad *w) {
+    for (int j = 0; j < 4; j++) {
+        w->sign[j] = bytes16(p + 32 * j, j < nb), w->sign[4 + j] = bytes16(p + 32 * j + 16, j < nb);
+        w->u[j] = _mm_abs_epi8(w->sign[j]), w->u[4 + j] = _mm_abs_epi8(w->sign[4 + j]);
+    }
+}
+static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
+    const __m128i one = _mm_set1_epi16(1);
+    for (int j = 0; j < 4; j++) {
+        __m128i lo = _mm_loadu_si128((const __m128i *)(x + 16 * j)), hi = _mm_loadu_si128((const __m128i *)(x + 64 + 16 * j));
+        if (q8) lo = _mm_sign_epi8(lo, w->sign[j]), hi = _mm_sign_epi8(hi, w->sign[4 + j]);
+        const __m128i a = _mm_maddubs_epi16(w->u[j], lo), b = _mm_maddubs_epi16(w->u[4 + j], hi);
+        s[j] = (vi)(q8 ? _mm_add_epi32(_mm_madd_epi16(a, one), _mm_madd_epi16(b, one)) : _mm_madd_epi16(_mm_add_epi16(a, b), one));
+    }
+}
+static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
+    for (int j = 0; j < 4; j++) s[j] = (vf){0} + (j < nb ? (float)h[j] : 0.0f);
+}
+#endif
+
+#if VL == 16
+static inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+#elif VL == 8
+static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  /* no FMA below AVX2 */
+#endif
+
+/* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
+static inline float hsum(const vf acc[NV]) {
+    float a[16];
+    memcpy(a, acc, sizeof a);
+    for (int w = 8; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+}
+
+/* Row x (K) as ceil(K/128) quads (blocks past the row are 0). */
+static void quantize_row(const float *x, int64_t K, xquad *out) {
+    const int64_t B = K / 32;
+    for (int64_t p = 0; p < (B + 3) / 4; p++) {
+        xquad *o = out + p;
+        memset(o, 0, sizeof *o);
+        for (int j = 0; j < 4 && 4 * p + j < B; j++) {
+            const float *xb = x + (4 * p + j) * 32;
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float dx = amax / 127, inv = amax > 0 ? 127 / amax : 0;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
+                o->q[(i < 16 ? 0 : 64) + 16 * j + i % 16] = (int8_t)v;
+                sum += v;
+            }
+            for (int l = 0; l < 4; l++) o->dx[4 * j + l] = dx;
+            o->sx[4 * j] = dx * (float)sum;
+        }
+    }
+}
+
+/* Adds quad p of outputs [n0, n0 + NRC) for rows [0, MRC) of the quantized x (xs: P quads a row) to
+ * acc. `nb` (a constant where this is inlined) is the quad's blocks within the row. */
+#define QUAD(KIND, MRC, NRC)                                                                              \
+static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NRC, NAME)(               \
+        const xquad *xs, int64_t P, int64_t K, const void *q, const _Float16 *d, const _Float16 *m,       \
+        int64_t n0, int64_t p, int nb, vf acc[MRC][NRC][NV]) {                                            \
+    const int64_t B = K / 32;                                                                             \
+    wquad w[NRC];                                                                                         \
+    vf dw[NRC][NV], mw[NRC][NV];                                                                          \
+    for (int n = 0; n < NRC; n++) {                                                                       \
+        load_##KIND((const void *)((const char *)q + (n0 + n) * BYTES_##KIND(K) + 4 * p * BYTES_##KIND(32)), nb, &w[n]); \
+        spread(d + (n0 + n) * B + 4 * p, nb, dw[n]);                                                      \
+        if (Q4_##KIND) spread(m + (n0 + n) * B + 4 * p, nb, mw[n]);                                       \
+    }                                                                                                     \
+    for (int r = 0; r < MRC; r++) {                                                                       \
+        const xquad *xp = xs + r * P + p;                                                                 \
+        vf dx[NV], sx[NV];                                                                                \
+        for (int i = 0; i < NV; i++) dx[i] = loadf(xp->dx + VL * i), sx[i] = loadf(xp->sx + VL * i);     \
+        for (int n = 0; n < NRC; n++) {                                                                   \
+            vi s[NV];                                                                                     \
+            dots(&w[n], xp->q, !Q4_##KIND, s);                                                            \
+            for (int i = 0; i < NV; i++) {                                                                \
+                acc[r][n][i] = fmadd(dw[n][i] * dx[i], tofloat(s[i]), acc[r][n][i]);                      \
+                if (Q4_##KIND) acc[r][n][i] = fmadd(mw[n][i], sx[i], acc[r][n][i]);                       \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+#define BYTES_q4(k) ((k) / 2)
+#define BYTES_q8(k) (k)
+#define Q4_q4 1
+#define Q4_q8 0
+
+/* Outputs [n0, n0 + NRC) for rows [0, MRC) of the quantized x. A row's last quad may be partial: two
+ * blocks (inlined as such), or one or three. */
+#define TILE(KIND, MRC, NRC)                                                                              \
+QUAD(KIND, MRC, NRC)                                                                                      \
+static void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const xquad *xs, int64_t K, const void *q,           \
+        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
+    const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
+    vf acc[MRC][NRC][NV];                                                                                 \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NRC; n++)                                                                     \
+            for (int i = 0; i < NV; i++) acc[r][n][i] = (vf){0};                                          \
+    for (int64_t p = 0; p < B / 4; p++) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, p, 4, acc); \
+    if (B % 4 == 2) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, 2, acc);         \
+    else if (B % 4) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, (int)(B % 4), acc); \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
+}
+#define TILE_(KIND, MRC, NRC) TILE(KIND, MRC, NRC)  /* MR and NR expanded first */
+
+/* y (M, N) = x (M, K) · Wᵀ: outputs split between threads in tiles of NR (the last, partial tile one
+ * output at a time), rows MR at a time and the rest one by one (the same operations per row either way). */
+#define MATMUL(KIND)                                                                                      \
+TILE_(KIND, 1, NR) TILE(KIND, 1, 1) TILE_(KIND, MR, NR) TILE_(KIND, MR, 1)                                \
+static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, const void *q,             \
+        const _Float16 *d, const _Float16 *m, int64_t n0, int wide, float *y, int64_t N) {                \
+    const int64_t P = (K / 32 + 3) / 4;                                                                   \
+    int64_t r = 0;                                                                                        \
+    for (; r + MR <= M; r += MR)                                                                          \
+        (wide ? CAT(CAT(CAT(tile_##KIND, MR), NR), NAME) : CAT(CAT(CAT(tile_##KIND, MR), 1), NAME))(      \
+            xs + r * P, K, q, d, m, n0, y + r * N, N);                                                    \
+    for (; r < M; r++)                                                                                    \
+        (wide ? CAT(CAT(tile_##KIND##_1, NR), NAME) : CAT(tile_##KIND##_1_1, NAME))(xs + r * P, K, q, d, m, n0, y + r * N, N); \
+}                                                                                                         \
+void CAT(KIND##x8_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,  \
+                                const _Float16 *m, int64_t N, float *y) {                                 \
+    const int64_t P = (K / 32 + 3) / 4, tiles = N / NR;                                                   \
+    xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P);                               \
+    _Pragma("omp parallel for schedule(static)")                                                          \
+    for (int64_t t = 0; t <= tiles; t++) {                                                                \
+        if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N);                     \
+        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
+    }                                                                                                     \
+    free(xs);                                                                                             \
+}
+
+MATMUL(q4)
+MATMUL(q8)
