@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from generate_speed import TEXT, Engine, llamacpp_build, llamacpp_engine, timed
+from modes import MODES
 from quality import tiny_gguf
 
 from decoderlm import SamplingParams, compiled, isa, load, stream
@@ -40,7 +41,8 @@ RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="*", default=["auto", "int4", "fp32"], help="auto (the default), fp32, int8 or int4")
+    ap.add_argument("--modes", nargs="*", default=["auto", "int8-act", "fp32"], help="modes of benchmarks/modes.py: auto (the default), "
+                    "int8-act, fp32, int8, int4, bf16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
     """Time eager and compiled decoding of `gguf` in each mode (with llama.cpp interleaved, if given)."""
     rows: dict[str, dict] = {}
     for mode in args.modes:
-        model, tokenizer = load(gguf, quantize=None if mode == "fp32" else mode)
+        model, tokenizer = load(gguf, **MODES[mode])
         ids = tokenizer.encode(TEXT, add_special_tokens=False)[: args.prompt_tokens]
 
         def decode(step: compiled.CompiledDecoder | None = None) -> tuple[float, list[int]]:

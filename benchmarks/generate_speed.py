@@ -1,8 +1,8 @@
 """Generation speed on this machine: decoderlm vs HF transformers vs llama.cpp, same model, same run.
 
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
-of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks,
-decoding with int8 activations);
+of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks in
+fp32 arithmetic; int8-act: the same blocks with llama.cpp's int8 activations);
 transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
 the Q4_1 weights as they are. Each engine decodes greedy tokens for the same prompt ids, the torch
 engines all on this one thread (see transformers_engine); time to the first token measures prefill,
@@ -60,6 +60,7 @@ TEXT = ("The history of the decoder-only Transformer begins with language modell
 Engine = Callable[[list[int], int], Iterable[int] | Iterable[tuple[float, int]]]  # see timed()
 DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
 COMPILED = "decoderlm auto compiled"  # the default mode through the compiled step: chat's decode from its second run
+COMPILED_INT8_ACT = "decoderlm int8-act compiled"  # --activations int8 through its compiled step
 TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
 BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
 COLD_MESSAGE = "What is the capital of France?"
@@ -220,6 +221,7 @@ def speed(gguf: Path, names: list[str], args: argparse.Namespace) -> tuple[dict[
     builders: dict[str, Callable[[], Engine | None]] = {
         **{name: (lambda kw=kw: decoderlm_engine(gguf, kw)) for name, kw in DECODERLM.items()},
         COMPILED: lambda: decoderlm_engine(gguf, MODES["auto"], compile=True),
+        COMPILED_INT8_ACT: lambda: decoderlm_engine(gguf, MODES["int8-act"], compile=True),
         **{name: (lambda dt=dt: transformers_engine(gguf, dt)) for name, dt in TRANSFORMERS.items()},
         "llama.cpp": lambda: llamacpp_engine(gguf, args.threads),
     }
@@ -359,7 +361,7 @@ def main() -> None:
     ap.add_argument("--cold-runs", type=int, default=3, help="cold-start runs per engine (0: skip the cold-start pass)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/generate_speed[_ISA].json)")
-    all_engines = [*DECODERLM, COMPILED, *TRANSFORMERS, "llama.cpp"]
+    all_engines = [*DECODERLM, COMPILED, COMPILED_INT8_ACT, *TRANSFORMERS, "llama.cpp"]
     ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(all_engines)}")
     ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                     help="the CPU level the torch engines run at, as on a CPU that has no more (llama.cpp runs as built)")

@@ -11,10 +11,12 @@ from typing import Any
 from decoderlm.quantize import MODES as QUANTIZE_MODES
 
 REFERENCE = "fp32"  # what every other mode is compared with: the exact dequantization of the file's weights
-DEFAULT = "auto"  # what chat / generate / serve run: on a Q4_1 file, its blocks with int8 activations in decode steps
+DEFAULT = "auto"  # what chat / generate / serve run: on a Q4_1 file, its blocks in fp32 arithmetic
+INT8_ACT = "int8-act"  # the same blocks with llama.cpp's arithmetic: int8 activations outside prompts
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32", "quantize": "none"},
     "auto": {"quantize": "auto"},
+    INT8_ACT: {"quantize": "auto", "activations": "int8"},
     "bf16": {"dtype": "bfloat16", "quantize": "none"},
     "int8": {"quantize": "int8"},
     "int4": {"quantize": "int4"},

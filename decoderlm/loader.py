@@ -36,14 +36,28 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
-         device: str | torch.device = "cpu", fuse: bool = True, text: bool = True) -> tuple[Transformer, Tokenizer]:
+         device: str | torch.device = "cpu", fuse: bool = True, text: bool = True,
+         activations: str = "fp32") -> tuple[Transformer, Tokenizer]:
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
     quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`); "auto": a
     quantized GGUF keeps its own precision (Q4 blocks int4, Q8_0 and K-quants int8), anything else
     loads in `dtype`; None or "none": `dtype` (a quantized GGUF dequantized exactly).
     fuse: q/k/v and gate/up projections stacked for fast inference (see `decoderlm.model.fuse`);
     False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name.
-    text=False: an HF folder without tokenizer files loads with an `IdsOnly` tokenizer (driven by token ids)."""
+    text=False: an HF folder without tokenizer files loads with an `IdsOnly` tokenizer (driven by token ids).
+    activations="int8": quantized layers on decoderlm's block kernels decode with llama.cpp's arithmetic,
+    activations rounded to int8 per 32 (prompts stay fp32; see `decoderlm.quantize.BlockLinear`)."""
+    if activations not in ("fp32", "int8"):
+        raise DecoderLMError(f"activations {activations!r} is not supported; use fp32 or int8")
+    model, tokenizer = _load_weights(source, dtype, quantize, device, fuse, text)
+    if activations == "int8" and not use_int8_activations(model):
+        raise DecoderLMError("--activations int8 needs layers on decoderlm's block kernels: a quantized GGUF with "
+                             "--quantize auto, or --quantize int4 / int8, on an x86-64 CPU with a C compiler")
+    return model, tokenizer
+
+
+def _load_weights(source: str | Path, dtype: str | torch.dtype, quantize: str | None, device: str | torch.device,
+                  fuse: bool, text: bool) -> tuple[Transformer, Tokenizer]:
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     mode = parse_mode(quantize)
     path = names.resolve(source)
@@ -54,8 +68,6 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
         model, tokenizer = load_gguf(path, torch_dtype, torch_device, mode)
         if fuse:  # a quantized model's layers are stacked as they are (decoderlm.quantize.concat)
             fuse_projections(model)
-        if mode == "auto":  # the fastest mode: llama.cpp's arithmetic, int8 activations (decoderlm.quantize.BlockLinear)
-            use_int8_activations(model)
         return model, tokenizer
     model, tokenizer = _load(source, path, kind, torch_dtype, torch_device, text)
     if fuse:  # before quantizing: a stacked matrix quantizes row by row to the same numbers

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 from transformers.utils.chat_template_utils import render_jinja_template
 
 import decoderlm.cli as cli
@@ -152,3 +153,13 @@ def test_chat_with_tools_shows_the_forced_call_and_continues_with_its_result(tmp
     assert answer.startswith("result of get_weather> ") and len(answer.strip()) > len("result of get_weather>")
     bad = subprocess.run([*argv[:7], "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "'nope' is not among the tools (get_weather)" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_activations_int8_decodes_the_embedded_model_and_a_float_model_is_refused(capsys):
+    """`--activations int8`: the default model's blocks with llama.cpp's arithmetic answer the demo's
+    question (the prompt is read in fp32); on float weights the flag is refused in one line, exit 2."""
+    code, out, _ = run_cli(["chat", "--message", "What is the capital of France?", "--temperature", "0", "--no-compile",
+                            "--max-new-tokens", "12", "--activations", "int8"], capsys)
+    assert code == 0 and "Paris" in out
+    code, _, err = run_cli(["chat", "--message", "hi", "--quantize", "none", "--no-compile", "--activations", "int8"], capsys)
+    assert code == 2 and "needs layers on decoderlm's block kernels" in err and "Traceback" not in err

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from decoderlm import isa, kernels
 from decoderlm import quantize as q
+from decoderlm.errors import DecoderLMError
 from decoderlm.formats.gguf import unpack_blocks
 from decoderlm.generate import generate
 from decoderlm.loader import load
@@ -102,15 +103,14 @@ def smollm2():
 
 
 def test_smollm2_default_mode_runs_on_the_blocks_and_answers_as_fp32(smollm2):
-    """The default (`auto`) mode on the embedded Q4_1 file: a prompt computes with the file's own weights
-    in fp32 (logits within 1e-3 of the float path at every position), decode steps with int8 activations;
-    the same greedy tokens as the float path on varied prompts."""
+    """The default (`auto`) mode on the embedded Q4_1 file computes with the file's own weights in fp32:
+    logits within 1e-3 of the float path at every position, and the same greedy tokens on varied prompts."""
     float_model, quant, tok = smollm2
-    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and quant.lm_head.int8_x
+    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and not quant.lm_head.int8_x
     prompts = ["What is the capital of France?", "List three colors:", "Write a haiku about the sea.", "What is 17 times 3?"]
     for text in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-        with torch.no_grad(), q.reading_prompt():
+        with torch.no_grad():
             a, b = float_model(torch.tensor([ids])).logits, quant(torch.tensor([ids])).logits
         assert b.dtype == torch.float32 and (a - b).abs().max() < 1e-3, text
         params = SamplingParams(temperature=0, max_new_tokens=16)
@@ -232,3 +232,15 @@ def test_compiled_int8_step_equals_eager():
     x = torch.randn(2, 1, 160)
     compiled = torch.compile(lambda t: layer(t).relu(), fullgraph=True)
     assert torch.equal(compiled(x), layer(x).relu())
+
+
+def test_activations_int8_is_asked_for_and_needs_block_layers(tmp_path):
+    """`load(..., activations="int8")` (`--activations int8`) sets every block layer; a model without any
+    is refused in one line, as is an unknown value."""
+    model, _ = load(locate(DEFAULT_MODEL), quantize="auto", activations="int8")
+    blocks = [m for m in model.modules() if isinstance(m, q.BlockLinear)]
+    assert blocks and all(m.int8_x for m in blocks)
+    with pytest.raises(DecoderLMError, match="needs layers on decoderlm's block kernels"):
+        load(locate(DEFAULT_MODEL), activations="int8")  # float weights
+    with pytest.raises(DecoderLMError, match="use fp32 or int8"):
+        load(locate(DEFAULT_MODEL), quantize="auto", activations="int4")

@@ -313,7 +313,7 @@ def test_quantized_smollm2_is_as_faithful_as_llama_cpp(smollm2_reference, mode, 
             monkeypatch.setattr(q, "DENSE_TOKENS", rows)
         with torch.no_grad():
             paths[path] = quant(seq[:, :-1]).logits[0]
-        check(paths[path], path)
+        check(paths[path], path, 0.0064 if mode == "int4" else 0.01)  # int8: the 1 % rule (+0.641 % on Shakespeare on an Intel AVX-512 CPU)
     agree = (paths["dense"].argmax(-1) == paths["kernel"].argmax(-1)).float().mean().item()
     assert agree >= 0.951, (mode, agree)
     monkeypatch.undo()
