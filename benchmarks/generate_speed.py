@@ -25,7 +25,8 @@ the instruction set it was built for (the JSON's `llama.cpp_build`): LLAMA_CPP_L
 AVX2-only libllama.so> gives it the same level (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF).
 
 --repeats 0 skips the speed pass, --cold-runs 0 the cold-start pass. Run benchmarks/quality.py first:
-its results mark which modes are faithful (perplexity within 1 % of fp32), and the fastest of those
+its results mark which modes are faithful (perplexity within 1 % of fp32 and as many correct answers as
+fp32 wherever its answers part ran them), and the fastest of those
 is named, since the issue's targets are set for it.
 """
 
@@ -202,11 +203,18 @@ def llamacpp_build() -> str | None:
 
 
 def faithful_modes() -> dict[str, bool]:
-    """decoderlm engine name → whether quality.py found that mode faithful; empty before quality.py has run."""
+    """decoderlm engine name → whether quality.py found that mode faithful: perplexity within 1 % of fp32 and,
+    where its answers part ran the mode, at least fp32's correct answers at every level; empty before
+    quality.py has run."""
     if not QUALITY.is_file():
         return {}
-    modes = json.loads(QUALITY.read_text())["modes"]
-    return {f"decoderlm {mode}": row["faithful"] for mode, row in modes.items() if row["engine"] == "decoderlm"}
+    result = json.loads(QUALITY.read_text())
+    levels = [level["modes"] for level in result.get("answers", {}).get("levels", {}).values()]
+
+    def answers_as_fp32(mode: str) -> bool:
+        return all(rows[mode]["correct"] >= rows["fp32"]["correct"] for rows in levels if mode in rows and "fp32" in rows)
+
+    return {f"decoderlm {mode}": row["faithful"] and answers_as_fp32(mode) for mode, row in result["modes"].items() if row["engine"] == "decoderlm"}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -229,3 +229,16 @@ def test_transformers_runs_in_this_thread_and_its_tokens_are_timed_as_they_came(
             ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
     stamped = generate_speed.timed(iter([(10.0, 7), (10.5, 8), (12.0, 9)]))
     assert stamped[1:] == (2.0, [7, 8, 9])
+
+
+def test_a_faithful_mode_keeps_fp32s_answers_where_they_were_asked(tmp_path, monkeypatch):
+    """generate_speed names the fastest faithful mode: perplexity within 1 %, and no fewer correct answers
+    than fp32 at any level the answers part ran it (--activations int8 passed the first, not the second)."""
+    speed = benchmark("generate_speed")
+    row = {"engine": "decoderlm", "faithful": True}
+    quality = {"modes": {"fp32": row, "auto": row, "int8-act": row, "bf16": {**row, "faithful": False}},
+               "answers": {"levels": {"avx2": {"modes": {"fp32": {"correct": 48}, "auto": {"correct": 48}, "int8-act": {"correct": 45}}},
+                                      "avx512": {"modes": {"fp32": {"correct": 48}, "auto": {"correct": 49}}}}}}
+    (tmp_path / "quality.json").write_text(json.dumps(quality))
+    monkeypatch.setattr(speed, "QUALITY", tmp_path / "quality.json")
+    assert speed.faithful_modes() == {"decoderlm fp32": True, "decoderlm auto": True, "decoderlm int8-act": False, "decoderlm bf16": False}
