@@ -167,23 +167,52 @@ def test_int8_activations_are_llama_cpps_arithmetic(n, k_blocks, rows, kind, see
     assert (y.double() - x.double() @ w.T).abs().max() > 0  # x was rounded: not the fp32 path's product
 
 
+def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool) -> torch.Tensor:
+    """qdot.c's arithmetic written out, fp32 rounding step by step: per block, 4 int32 lanes (lane l sums
+    inputs 4l..4l+3 and 16+4l..16+4l+3 exactly); per quad of blocks, 16 lanes, each acc = acc + (dw·dx)·s,
+    then (Q4) + m·dx·Σqx in a block's first lane; the 16 lanes summed in pairwise halves. fma: each
+    a·b + c rounded once (AVX2, AVX-512), else a·b rounded first (the plain level)."""
+    M, K = x.shape
+    N, B = b.q.shape[0], K // 32
+
+    def madd(p: torch.Tensor, v: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        return (p.double() * v.double() + acc.double()).float() if fma else (p * v + acc)
+
+    blocks = x.view(M, B, 32)
+    amax = blocks.abs().amax(-1)  # (M, B)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    qx = torch.round(blocks * inv[..., None])  # (M, B, 32), integers
+    dx, sx = amax / 127, (amax / 127) * qx.sum(-1)  # (M, B) fp32
+    lanes = torch.einsum("mbhlk,nbhlk->mnbl", qx.double().view(M, B, 2, 4, 4), b.q.double().view(N, B, 2, 4, 4)).float()  # exact
+    d, m = b.d.half().float(), None if b.m is None else b.m.half().float()
+    acc = torch.zeros(M, N, 16)  # lanes 4j..4j+3 take blocks j, j + 4, j + 8, ... in turn
+    for blk in range(B):
+        at = slice(4 * (blk % 4), 4 * (blk % 4) + 4)
+        acc[..., at] = madd((d[None, :, blk] * dx[:, None, blk])[..., None], lanes[:, :, blk], acc[..., at])
+        if m is not None:
+            acc[..., at.start] = madd(m[None, :, blk], sx[:, None, blk], acc[..., at.start])
+    for w in (8, 4, 2, 1):
+        acc = acc[..., :w] + acc[..., w : 2 * w]
+    return acc[..., 0]
+
+
 @pytest.mark.parametrize("kind", QTYPES)
-def test_int8_activations_give_the_same_bits_at_avx2_and_avx512(kind):
-    """qdot.c forms the same int32 lanes and adds them in the same order at both levels."""
-    levels = [lv for lv in ("avx512", "avx2") if lv in isa.supported()]
-    if len(levels) < 2:
-        pytest.skip("this CPU has no AVX-512: only one of the two levels runs here")
+def test_int8_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind):
+    """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
+    arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
+    a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one."""
     torch.manual_seed(8)
-    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(45, 32 * 18) * 0.05, kind))
+    b = file_blocks(torch.randn(45, 32 * 18) * 0.05, kind)
+    layer = q.BlockLinear.from_blocks(b)
     x = torch.randn(5, 32 * 18)
     name = "q8x8_matmul" if layer.block_offsets is None else "q4x8_matmul"
-    outs = []
+    levels = [lv for lv in kernels.VARIANTS if lv in isa.supported()]
+    assert levels
     for lv in levels:
         y = torch.empty(5, 45)
         getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), 5, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
                                                      None if layer.block_offsets is None else layer.block_offsets.data_ptr(), 45, y.data_ptr())
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1])
+        assert torch.equal(y, qdot_reference(x, b, fma=lv != "default")), lv
 
 
 @settings(max_examples=15, deadline=None)
