@@ -42,13 +42,13 @@ from decoderlm import SamplingParams, generate, isa, load
 from decoderlm.cli.chat import fit_context
 
 sys.path.insert(0, str(Path(__file__).parent))
-from modes import DEFAULT, INT8_ACT, MODES, REFERENCE  # a sibling file: benchmarks/ is not a package
+from modes import DEFAULT, FP32_ACT, INT8_ACT, MODES, REFERENCE  # a sibling file: benchmarks/ is not a package
 
 FIXTURE = Path(__file__).parent / "fixtures" / "answers.json"
 AGREE_TOKENS = 32  # the reply compared with fp32's
 ANSWER_TOKENS = 24  # the reply searched for a question's answer
 NATIVE_ONLY = "bf16"
-ANSWER_MODES = {REFERENCE: MODES[REFERENCE], DEFAULT: MODES[DEFAULT], INT8_ACT: MODES[INT8_ACT], "int8": MODES["int8"],
+ANSWER_MODES = {REFERENCE: MODES[REFERENCE], DEFAULT: MODES[DEFAULT], FP32_ACT: MODES[FP32_ACT], INT8_ACT: MODES[INT8_ACT], "int8": MODES["int8"],
                 NATIVE_ONLY: MODES[NATIVE_ONLY]}
 LLAMA_CPP = "llama.cpp"
 Replies = dict[str, list[int]]  # prompt id → generated ids (the stop token left out)

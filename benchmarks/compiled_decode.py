@@ -41,7 +41,7 @@ RESULTS = Path(__file__).parent / "results" / "compiled_decode.json"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="*", default=["auto", "int8-act", "fp32"], help="modes of benchmarks/modes.py: auto (the default), "
+    ap.add_argument("--modes", nargs="*", default=["auto", "fp32-act", "int8-act"], help="modes of benchmarks/modes.py: auto (the default), "
                     "int8-act, fp32, int8, int4, bf16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -11,11 +11,13 @@ from typing import Any
 from decoderlm.quantize import MODES as QUANTIZE_MODES
 
 REFERENCE = "fp32"  # what every other mode is compared with: the exact dequantization of the file's weights
-DEFAULT = "auto"  # what chat / generate / serve run: on a Q4_1 file, its blocks in fp32 arithmetic
+DEFAULT = "auto"  # what chat / generate / serve run: on a Q4_1 file, its blocks with 16-bit activations outside prompts
+FP32_ACT = "fp32-act"  # the same blocks in fp32 arithmetic (the default until 16-bit activations)
 INT8_ACT = "int8-act"  # the same blocks with llama.cpp's arithmetic: int8 activations outside prompts
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32", "quantize": "none"},
     "auto": {"quantize": "auto"},
+    FP32_ACT: {"quantize": "auto", "activations": "fp32"},
     INT8_ACT: {"quantize": "auto", "activations": "int8"},
     "bf16": {"dtype": "bfloat16", "quantize": "none"},
     "int8": {"quantize": "int8"},

@@ -8,7 +8,7 @@ true tokens before it, in one forward): a fixed slice of tiny Shakespeare and a 
 (benchmarks/fixtures/chat.json) rendered with the model's own chat template. Per mode and text:
 perplexity, its change against float32, and top-1 agreement (the share of positions whose most
 likely next token is float32's). A mode whose decode steps compute differently from a prompt's
-forward (auto: int8 activations in decode steps) is scored step by step, one token at a time through
+forward (auto: 16-bit activations in decode steps; int8-act) is scored step by step, one token at a time through
 the KV cache, as it decodes. llama.cpp (llama-cpp-python, optional) runs the same GGUF's
 blocks as they are, on the same token ids, as a peer. A mode is "faithful" when its perplexity is
 within 1 % of float32's on every text.
@@ -101,7 +101,7 @@ def predictions(model: Transformer, inputs: dict[str, list[int]]) -> dict[str, P
 @torch.inference_mode()
 def stepwise_predictions(model: Transformer, inputs: dict[str, list[int]]) -> dict[str, Predictions]:
     """Scores as decoding computes them: each position a one-token decode step through the KV cache. For
-    a mode whose decode steps compute differently from a prompt's forward (auto: int8 activations), a
+    a mode whose decode steps compute differently from a prompt's forward (auto, int8-act: rounded activations), a
     teacher-forced forward would measure the prompt path instead."""
     out = {}
     for name, ids in inputs.items():
@@ -112,8 +112,8 @@ def stepwise_predictions(model: Transformer, inputs: dict[str, list[int]]) -> di
 
 
 def decodes_otherwise(model: Transformer) -> bool:
-    """Whether the model's decode steps round activations to int8 (`BlockLinear.int8_x`), its prompts not."""
-    return any(getattr(layer, "int8_x", False) for layer in model.modules())
+    """Whether the model's decode steps round activations (`BlockLinear.activations`), its prompts not."""
+    return any(getattr(layer, "activations", "fp32") != "fp32" for layer in model.modules())
 
 
 def mode_predictions(gguf: Path, load_kwargs: dict, inputs: dict[str, list[int]]) -> dict[str, Predictions]:

@@ -20,7 +20,7 @@ from decoderlm.formats import Format, detect, peft, runs
 from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections
 from decoderlm.model.lora import merge_lora
-from decoderlm.quantize import parse_mode, use_int8_activations
+from decoderlm.quantize import ACTIVATIONS, parse_mode, round_activations
 from decoderlm.quantize import quantize as quantize_weights
 from decoderlm.tokenizer import Tokenizer
 
@@ -37,7 +37,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
          device: str | torch.device = "cpu", fuse: bool = True, text: bool = True,
-         activations: str = "fp32") -> tuple[Transformer, Tokenizer]:
+         activations: str = "auto") -> tuple[Transformer, Tokenizer]:
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
     quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`); "auto": a
     quantized GGUF keeps its own precision (Q4 blocks int4, Q8_0 and K-quants int8), anything else
@@ -45,13 +45,16 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     fuse: q/k/v and gate/up projections stacked for fast inference (see `decoderlm.model.fuse`);
     False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name.
     text=False: an HF folder without tokenizer files loads with an `IdsOnly` tokenizer (driven by token ids).
-    activations="int8": quantized layers on decoderlm's block kernels decode with llama.cpp's arithmetic,
-    activations rounded to int8 per 32 (prompts stay fp32; see `decoderlm.quantize.BlockLinear`)."""
-    if activations not in ("fp32", "int8"):
-        raise DecoderLMError(f"activations {activations!r} is not supported; use fp32 or int8")
+    activations: how quantized layers on decoderlm's block kernels take their inputs in decode steps
+    (prompts stay fp32; see `decoderlm.quantize.BlockLinear`): "int16", rounded to 16 bits per 32 with
+    integer dot products (nearly the speed of int8 for one row, 1/65024 of a block's largest input
+    from fp32); "int8", llama.cpp's arithmetic; "fp32"; "auto" (the default): int16 where there are
+    such layers, else fp32."""
+    if activations not in ACTIVATIONS:
+        raise DecoderLMError(f"activations {activations!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
     model, tokenizer = _load_weights(source, dtype, quantize, device, fuse, text)
-    if activations == "int8" and not use_int8_activations(model):
-        raise DecoderLMError("--activations int8 needs layers on decoderlm's block kernels: a quantized GGUF with "
+    if not round_activations(model, activations) and activations in ("int16", "int8"):
+        raise DecoderLMError(f"--activations {activations} needs layers on decoderlm's block kernels: a quantized GGUF with "
                              "--quantize auto, or --quantize int4 / int8, on an x86-64 CPU with a C compiler")
     return model, tokenizer
 

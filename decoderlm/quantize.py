@@ -319,15 +319,17 @@ class BlockLinear(nn.Module):
     (the kernel's cost grows with the rows; BLAS is faster from a few dozen). As the LM head (`exact`)
     it returns its fp32 logits.
 
-    With `int8_x` (`--activations int8`, `use_int8_activations`) x is rounded to int8 per block
-    of 32 and integer products are summed, as llama.cpp does: 2-3x faster for one row. The LM head then
-    rescores each row's EXACT_TOP best candidates exactly in fp32 (`rescore`). A prompt, read inside
-    `reading_prompt()`, stays on the fp32 path, so the first token of a reply, which the prompt decides,
-    is the float path's (SmolLM2's "The capital of France is Paris." starts with a 0.08-logit lead that
-    int8 activations reverse); decode steps and speculative checks round."""
+    With `activations` "int16" (the default where these kernels run, `round_activations`) or "int8"
+    (`--activations int8`), x is rounded per block of 32 and integer products are summed (qdot.c):
+    int8 is llama.cpp's arithmetic, 2-3x faster than fp32 for one row, with an error of up to 1/254 of a
+    block's largest input; int16 (two int8 digits) nearly as fast for one row, and 256 times closer.
+    The LM head then rescores each row's EXACT_TOP best candidates exactly in fp32 (`rescore`). A prompt,
+    read inside `reading_prompt()`, stays on the fp32 path, so the first token of a reply, which the
+    prompt decides, is the float path's (SmolLM2's "The capital of France is Paris." starts with a
+    0.08-logit lead that int8 activations reverse); decode steps and speculative checks round."""
 
     exact = False  # set on the LM head: fp32 logits whatever the model's dtype
-    int8_x = False  # x rounded to int8 outside prompts (qdot.c)
+    activations = "fp32"  # or x rounded to "int16" / "int8" outside prompts (qdot.c)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: nn.Parameter | None = None) -> None:
         """q (out, in): 4-bit values 0..15 (uint8) with offsets m, or int8 values with m None; d, m (out, in/32),
@@ -353,7 +355,7 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.blocks.shape[1] * (2 if self.block_offsets is not None else 1)}, {self.out_features}, " \
-               f"{'Q4_1' if self.block_offsets is not None else 'Q8_0'}{', int8_x' if self.int8_x else ''}"
+               f"{'Q4_1' if self.block_offsets is not None else 'Q8_0'}, x {self.activations}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
@@ -361,8 +363,9 @@ class BlockLinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
             y = h @ (torch.ops.decoderlm.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
-        elif self.int8_x and not PROMPT[0]:
-            y = torch.ops.decoderlm.block_matmul_int8x(h, *args) if compiling else kernels.matmul(h, *args, int8_x=True)
+        elif self.activations != "fp32" and not PROMPT[0]:
+            op = torch.ops.decoderlm.block_matmul_int16x if self.activations == "int16" else torch.ops.decoderlm.block_matmul_int8x
+            y = op(h, *args) if compiling else kernels.matmul(h, *args, self.activations)
             if self.exact:
                 y = rescore(y, h, self.weight_rows, None)  # the bias is added below, to every output
         else:
@@ -398,7 +401,7 @@ PROMPT = [False]  # inside reading_prompt(); a list, so a compiled graph guards 
 
 @contextmanager
 def reading_prompt() -> Iterator[None]:
-    """Forwards inside read a prompt: BlockLinear keeps the fp32 arithmetic for them (see `int8_x`)."""
+    """Forwards inside read a prompt: BlockLinear keeps the fp32 arithmetic for them (see `activations`)."""
     outer, PROMPT[0] = PROMPT[0], True
     try:
         yield
@@ -406,12 +409,15 @@ def reading_prompt() -> Iterator[None]:
         PROMPT[0] = outer
 
 
-def use_int8_activations(model: nn.Module) -> int:
-    """Set `int8_x` on the model's BlockLinear layers (`--activations int8`: decode with llama.cpp's
-    arithmetic); the number of layers set."""
+ACTIVATIONS = ("auto", "fp32", "int16", "int8")
+
+
+def round_activations(model: nn.Module, activations: str) -> int:
+    """Set how the model's BlockLinear layers take x in decode steps (`BlockLinear.activations`; "auto":
+    int16); the number of layers set."""
     layers = [layer for layer in model.modules() if isinstance(layer, BlockLinear)]
     for layer in layers:
-        layer.int8_x = True
+        layer.activations = "int16" if activations == "auto" else activations
     return len(layers)
 
 

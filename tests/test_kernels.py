@@ -103,14 +103,15 @@ def smollm2():
 
 
 def test_smollm2_default_mode_runs_on_the_blocks_and_answers_as_fp32(smollm2):
-    """The default (`auto`) mode on the embedded Q4_1 file computes with the file's own weights in fp32:
-    logits within 1e-3 of the float path at every position, and the same greedy tokens on varied prompts."""
+    """The default (`auto`) mode on the embedded Q4_1 file computes with the file's own weights: prompts in
+    fp32, logits within 1e-3 of the float path at every position; decode steps with 16-bit activations,
+    and the same greedy tokens as the float path on varied prompts."""
     float_model, quant, tok = smollm2
-    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and not quant.lm_head.int8_x
+    assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and quant.lm_head.activations == "int16"
     prompts = ["What is the capital of France?", "List three colors:", "Write a haiku about the sea.", "What is 17 times 3?"]
     for text in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-        with torch.no_grad():
+        with torch.no_grad(), q.reading_prompt():  # as `generate` reads a prompt
             a, b = float_model(torch.tensor([ids])).logits, quant(torch.tensor([ids])).logits
         assert b.dtype == torch.float32 and (a - b).abs().max() < 1e-3, text
         params = SamplingParams(temperature=0, max_new_tokens=16)
@@ -142,47 +143,69 @@ def test_a_prefill_multiplies_by_the_float_paths_own_weight(kind):
     assert torch.equal(layer(few), torch.stack([kernels.matmul(s, layer.blocks, layer.block_scales, layer.block_offsets) for s in few]))
 
 
-def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) as qdot.c rounds it, dequantized: per block of 32, q = round(x · 127/max|x|) times max|x|/127."""
+QMAX = {"int8": 127, "int16": 32512}  # the largest |q| of a block's rounded x (qdot.c)
+ROUNDED = list(QMAX)
+
+
+def rounded(x: torch.Tensor, activations: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) as qdot.c rounds it: per block of 32, integers q = round(x · QMAX/max|x|) (M, K/32, 32) and
+    the scale max|x|/QMAX (M, K/32), in fp32 as qdot.c computes them."""
     blocks = x.view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv).double() * (amax.double() / 127)).view_as(x)
+    amax = blocks.abs().amax(-1)
+    qmax = torch.full_like(amax, QMAX[activations])
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))  # a division (number / tensor is a reciprocal times the number)
+    return torch.round(blocks * inv[..., None]), amax / qmax
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 40), k_blocks=st.integers(1, 9), rows=st.integers(1, 7), kind=st.sampled_from(QTYPES), seed=st.integers(0, 99))
-def test_int8_activations_are_llama_cpps_arithmetic(n, k_blocks, rows, kind, seed):
-    """int8_x: x rounded to int8 per block of 32 (scale max|x|/127), then the exact product with the
-    file's weights, up to a few fp32 roundings (row ends inside a quad of blocks included: 1 to 9 blocks)."""
+@given(n=st.integers(1, 40), k_blocks=st.integers(1, 9), rows=st.integers(1, 7), kind=st.sampled_from(QTYPES),
+       activations=st.sampled_from(ROUNDED), seed=st.integers(0, 99))
+def test_rounded_activations_are_the_exact_product_of_the_rounded_x(n, k_blocks, rows, kind, activations, seed):
+    """x rounded per block of 32 (int8: llama.cpp's scale max|x|/127; int16: max|x|/32512), then the exact
+    product with the file's weights, up to a few fp32 roundings (row ends inside a quad of blocks
+    included: 1 to 9 blocks); int16's x is within 1/65024 of each block's largest value."""
     g = torch.Generator().manual_seed(seed)
     b = file_blocks(torch.randn(n, 32 * k_blocks, generator=g) * 0.05 + 0.01, kind)
     x = torch.randn(rows, 32 * k_blocks, generator=g) * torch.rand(1, 32 * k_blocks, generator=g) * 3
     layer = q.BlockLinear.from_blocks(b)
-    y = kernels.matmul(x, layer.blocks, layer.block_scales, layer.block_offsets, int8_x=True)
-    xq, w = int8_rows(x), b.dequantize().double()
+    y = kernels.matmul(x, layer.blocks, layer.block_scales, layer.block_offsets, activations)
+    qx, dx = rounded(x, activations)
+    xq, w = (qx.double() * dx.double()[..., None]).view_as(x), b.dequantize().double()
+    half_step = x.view(rows, -1, 32).abs().amax(-1, keepdim=True).double() / (2 * QMAX[activations])
+    assert ((xq - x.double()).view(rows, -1, 32).abs() <= half_step * 1.01).all()  # 1 %: x·inv and dx are rounded to fp32
     exact = xq @ w.T
     bound = 2e-6 * (xq.abs() @ w.abs().T + exact.abs()) + 1e-30
     assert ((y.double() - exact).abs() <= bound).all()
     assert (y.double() - x.double() @ w.T).abs().max() > 0  # x was rounded: not the fp32 path's product
 
 
-def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool) -> torch.Tensor:
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a·b + c for fp32 tensors, rounded once to fp32, as an FMA instruction does. a·b is exact in fp64;
+    the sum is rounded to fp64 "to odd" (a result that was rounded gets an odd last bit), which makes
+    its rounding to fp32 the single rounding of the exact value (fp64 has more than 24 + 1 bits)."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    back = s - p
+    err = (p - (s - back)) + (c - back)  # s + err == p + c exactly (TwoSum)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(torch.float64)
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s).float()
+
+
+def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) -> torch.Tensor:
     """qdot.c's arithmetic written out, fp32 rounding step by step: per block, 4 int32 lanes (lane l sums
-    inputs 4l..4l+3 and 16+4l..16+4l+3 exactly); per quad of blocks, 16 lanes, each acc = acc + (dw·dx)·s,
-    then (Q4) + m·dx·Σqx in a block's first lane; the 16 lanes summed in pairwise halves. fma: each
-    a·b + c rounded once (AVX2, AVX-512), else a·b rounded first (the plain level)."""
+    inputs 4l..4l+3 and 16+4l..16+4l+3 exactly; int16's two digits joined exactly); per quad of blocks,
+    16 lanes, each acc = acc + (dw·dx)·s, then (Q4) + m·dx·Σqx in a block's first lane; the 16 lanes
+    summed in pairwise halves. fma: each a·b + c rounded once (AVX2, AVX-512), else a·b rounded first
+    (the plain level)."""
     M, K = x.shape
     N, B = b.q.shape[0], K // 32
 
     def madd(p: torch.Tensor, v: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        return (p.double() * v.double() + acc.double()).float() if fma else (p * v + acc)
+        return fma32(p, v, acc) if fma else (p * v + acc)
 
-    blocks = x.view(M, B, 32)
-    amax = blocks.abs().amax(-1)  # (M, B)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    qx = torch.round(blocks * inv[..., None])  # (M, B, 32), integers
-    dx, sx = amax / 127, (amax / 127) * qx.sum(-1)  # (M, B) fp32
+    qx, dx = rounded(x, activations)  # (M, B, 32) integers, (M, B) fp32
+    sx = dx * qx.sum(-1)  # (M, B) fp32
     lanes = torch.einsum("mbhlk,nbhlk->mnbl", qx.double().view(M, B, 2, 4, 4), b.q.double().view(N, B, 2, 4, 4)).float()  # exact
     d, m = b.d.half().float(), None if b.m is None else b.m.half().float()
     acc = torch.zeros(M, N, 16)  # lanes 4j..4j+3 take blocks j, j + 4, j + 8, ... in turn
@@ -196,8 +219,9 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool) -> torch.Tensor:
     return acc[..., 0]
 
 
+@pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
-def test_int8_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind):
+def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations):
     """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
     arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
     a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one."""
@@ -205,42 +229,43 @@ def test_int8_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind
     b = file_blocks(torch.randn(45, 32 * 18) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)
     x = torch.randn(5, 32 * 18)
-    name = "q8x8_matmul" if layer.block_offsets is None else "q4x8_matmul"
+    name = ("q8" if layer.block_offsets is None else "q4") + kernels.ROUNDED[activations] + "_matmul"
     levels = [lv for lv in kernels.VARIANTS if lv in isa.supported()]
     assert levels
     for lv in levels:
         y = torch.empty(5, 45)
         getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), 5, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
                                                      None if layer.block_offsets is None else layer.block_offsets.data_ptr(), 45, y.data_ptr())
-        assert torch.equal(y, qdot_reference(x, b, fma=lv != "default")), lv
+        assert torch.equal(y, qdot_reference(x, b, lv != "default", activations)), lv
 
 
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(2, 21), pick=st.data(), kind=st.sampled_from(QTYPES))
-def test_int8_activations_keep_a_rows_result_apart_from_the_batch(rows, pick, kind):
+@given(rows=st.integers(2, 21), pick=st.data(), kind=st.sampled_from(QTYPES), activations=st.sampled_from(ROUNDED))
+def test_rounded_activations_keep_a_rows_result_apart_from_the_batch(rows, pick, kind, activations):
     """A decode step of many sequences (B, 1, in), bit for bit each sequence's own step."""
     torch.manual_seed(rows)
     layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(37, 160) * 0.05, kind))
-    layer.int8_x = True
+    layer.activations = activations
     x = torch.randn(rows, 1, 160)
     whole = layer(x)
     i = pick.draw(st.integers(0, rows - 1))
     assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1])
-    assert torch.equal(whole[:, 0], kernels.matmul(x[:, 0], layer.blocks, layer.block_scales, layer.block_offsets, int8_x=True))
+    assert torch.equal(whole[:, 0], kernels.matmul(x[:, 0], layer.blocks, layer.block_scales, layer.block_offsets, activations))
 
 
-def test_int8_activations_are_not_for_prompts_and_the_head_rescores_exactly():
+@pytest.mark.parametrize("activations", ROUNDED)
+def test_rounded_activations_are_not_for_prompts_and_the_head_rescores_exactly(activations):
     """A prompt (read inside `reading_prompt`) keeps the fp32 path; other forwards (decode steps, a
     speculative check of several tokens) round x. As the LM head, each row's EXACT_TOP best logits are
     the fp32 products with the exact weights."""
     torch.manual_seed(9)
     b = file_blocks(torch.randn(300, 96) * 0.05, GGMLQuantizationType.Q8_0)
     layer = q.BlockLinear.from_blocks(b)
-    layer.int8_x = True
+    layer.activations = activations
     x = torch.randn(1, 5, 96)
     with q.reading_prompt():
         assert torch.equal(layer(x)[0], kernels.matmul(x[0], layer.blocks, layer.block_scales, None))
-    assert torch.equal(layer(x)[0], kernels.matmul(x[0], layer.blocks, layer.block_scales, None, int8_x=True))
+    assert torch.equal(layer(x)[0], kernels.matmul(x[0], layer.blocks, layer.block_scales, None, activations))
     head = layer
     head.exact = True
     step = torch.randn(3, 1, 96)
@@ -251,25 +276,29 @@ def test_int8_activations_are_not_for_prompts_and_the_head_rescores_exactly():
     assert torch.equal(top.sort().values, exact.topk(q.EXACT_TOP, dim=-1).indices.sort().values)
     rest = y.double() - exact
     rest.scatter_(-1, top, 0)
-    assert rest.abs().max() > 1e-7  # the others keep the int8 step's values
+    assert rest.abs().max() > 1e-9  # the others keep the rounded step's values
 
 
-def test_compiled_int8_step_equals_eager():
+@pytest.mark.parametrize("activations", ROUNDED)
+def test_compiled_rounded_step_equals_eager(activations):
     torch.manual_seed(10)
     layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(40, 160) * 0.05, GGMLQuantizationType.Q4_1))
-    layer.int8_x = True
+    layer.activations = activations
     x = torch.randn(2, 1, 160)
     compiled = torch.compile(lambda t: layer(t).relu(), fullgraph=True)
     assert torch.equal(compiled(x), layer(x).relu())
 
 
-def test_activations_int8_is_asked_for_and_needs_block_layers(tmp_path):
-    """`load(..., activations="int8")` (`--activations int8`) sets every block layer; a model without any
-    is refused in one line, as is an unknown value."""
-    model, _ = load(locate(DEFAULT_MODEL), quantize="auto", activations="int8")
+@pytest.mark.parametrize("activations", ["auto", *ROUNDED])
+def test_activations_are_asked_for_and_rounding_needs_block_layers(activations):
+    """`load(..., activations=...)` (`--activations`) sets every block layer (auto: int16); asking a model
+    without any for a rounding is refused in one line, as is an unknown value; auto loads it in fp32."""
+    model, _ = load(locate(DEFAULT_MODEL), quantize="auto", activations=activations)
     blocks = [m for m in model.modules() if isinstance(m, q.BlockLinear)]
-    assert blocks and all(m.int8_x for m in blocks)
+    assert blocks and all(m.activations == ("int16" if activations == "auto" else activations) for m in blocks)
+    if activations == "auto":
+        return
     with pytest.raises(DecoderLMError, match="needs layers on decoderlm's block kernels"):
-        load(locate(DEFAULT_MODEL), activations="int8")  # float weights
-    with pytest.raises(DecoderLMError, match="use fp32 or int8"):
+        load(locate(DEFAULT_MODEL), activations=activations)  # float weights
+    with pytest.raises(DecoderLMError, match="use one of auto, fp32, int16, int8"):
         load(locate(DEFAULT_MODEL), quantize="auto", activations="int4")

@@ -15,7 +15,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.device import DEVICE_HELP
 from decoderlm.loader import DTYPES, load, resolve_device
 from decoderlm.model import Transformer
-from decoderlm.quantize import MODES
+from decoderlm.quantize import ACTIVATIONS, MODES
 from decoderlm.sampling import SamplingParams
 from decoderlm.tokenizer import StreamDecoder, Tokenizer
 
@@ -102,10 +102,10 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", *MODES],
                    help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "
                         "for faster CPU decoding (decode vs float32: int8 ~3x, int4 ~4x; logits move slightly)")
-    p.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
-                   help="the arithmetic of quantized layers outside prompts: fp32 (default: the float path's, up to the "
-                        "order of sums) or int8, llama.cpp's (activations rounded to int8 per 32, integer dot products): "
-                        "faster decoding, a few answers differ")
+    p.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                   help="how quantized layers take their inputs in decode steps (prompts stay fp32): int16 (rounded to 16 bits "
+                        "per 32, integer dot products: ~2x fp32's speed for one row, answers as fp32's), int8 (llama.cpp's "
+                        "arithmetic: a little faster, a few answers differ) or fp32; default auto: int16 where it applies")
     if compile:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="decode through a compiled step, built now if missing (once per model, mode and machine: "

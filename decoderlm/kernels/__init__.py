@@ -32,7 +32,10 @@ import torch
 
 from decoderlm import isa
 
-SOURCES, OPS = [Path(__file__).with_name(n) for n in ("blocks.c", "qdot.c")], Path(__file__).with_name("ops.cpp")
+HERE = Path(__file__).parent
+# (source, its own flags): qdot.c twice, with int8 activations (x8) and with 16-bit ones in two int8 digits (x16)
+UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"])]
+OPS, HEADER = HERE / "ops.cpp", HERE / "stream.h"
 # level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
             "default": (4, ["-msse4.1"])}
@@ -57,9 +60,9 @@ def build(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
         for level, (width, flags) in variants().items():
-            for source in SOURCES:
-                objects.append(f"{tmp}/{source.stem}-{level}.o")
-                run(cc, *FLAGS, *flags, f"-DVL={width}", f"-DNAME={level}", "-c", str(source), "-o", objects[-1])
+            for i, (source, own) in enumerate(UNITS):
+                objects.append(f"{tmp}/{i}-{source.stem}-{level}.o")
+                run(cc, *FLAGS, *flags, *own, f"-DVL={width}", f"-DNAME={level}", "-c", str(source), "-o", objects[-1])
         objects.append(f"{tmp}/ops.o")
         run(cxx, "-O2", "-fPIC", "-std=c++17", f"-I{torch_dir / 'include'}", "-c", str(OPS), "-o", objects[-1])
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +77,8 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, then cached on disk), or None where they cannot run here."""
     if os.environ.get("DECODERLM_KERNELS", "on").lower() in ("0", "off", "no") or not isa.X86 or level() is None:
         return None
-    recipe = repr((variants(), FLAGS, os.environ.get("CC"), os.environ.get("CXX"), torch.__version__, torch.__file__))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, OPS)) + recipe.encode()).hexdigest()[:16]
+    recipe = repr((variants(), [(source.name, own) for source, own in UNITS], FLAGS, os.environ.get("CC"), os.environ.get("CXX"), torch.__version__, torch.__file__))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted({*(source for source, _ in UNITS), OPS, HEADER})) + recipe.encode()).hexdigest()[:16]
     path = cache_dir() / f"blocks-{key}.so"
     try:
         if not path.exists():
@@ -90,7 +93,7 @@ def library() -> ctypes.CDLL | None:
             ctypes.c_int64, ctypes.c_void_p]
     for name in VARIANTS:
         for kind in ("q4", "q8"):
-            for fn in (getattr(lib, f"{kind}_matmul_{name}"), getattr(lib, f"{kind}x8_matmul_{name}")):
+            for fn in (getattr(lib, f"{kind}{x}_matmul_{name}") for x in ("", "x8", "x16")):
                 fn.argtypes, fn.restype = args, None
             fn = getattr(lib, f"{kind}_dequantize_{name}")
             fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p], None
@@ -122,14 +125,18 @@ def function(name: str) -> ctypes._CFuncPtr:
     return getattr(library(), f"{name}_{level()}")
 
 
-def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, int8_x: bool = False) -> torch.Tensor:
+ROUNDED = {"int16": "x16", "int8": "x8"}  # activations qdot.c rounds x to -> its entry points' infix
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, activations: str = "fp32") -> torch.Tensor:
     """x (M, K) fp32 · Wᵀ → (M, N) fp32, W given as blocks: Q4_1 (q (N, K/2) uint8 with inputs j and 16 + j
     of a block in the low and high nibbles of its byte j, scales d and offsets m (N, K/32) fp16) or Q8_0
-    (q (N, K) int8, d, m None). int8_x: x rounded to int8 per block of 32 and integer dot products (qdot.c)."""
+    (q (N, K) int8, d, m None). activations "int16" or "int8": x rounded to 16 bits or int8 per block of
+    32 and integer dot products (qdot.c); "fp32": x as it is (blocks.c)."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, q.shape[0], dtype=torch.float32)
-    name = ("q8" if m is None else "q4") + ("x8_matmul" if int8_x else "_matmul")
+    name = ("q8" if m is None else "q4") + ROUNDED.get(activations, "") + "_matmul"
     function(name)(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
     return y
 
@@ -146,11 +153,13 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torc
 # The same kernels as operators a compiled graph can call (ops.cpp); eager code calls the functions above.
 torch.library.define("decoderlm::block_matmul", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
 torch.library.define("decoderlm::block_matmul_int8x", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
+torch.library.define("decoderlm::block_matmul_int16x", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
 torch.library.define("decoderlm::block_dequantize", "(Tensor q, Tensor d, Tensor? m) -> Tensor")
 
 
 @torch.library.register_fake("decoderlm::block_matmul")
 @torch.library.register_fake("decoderlm::block_matmul_int8x")
+@torch.library.register_fake("decoderlm::block_matmul_int16x")
 def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
 

@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "stream.h"
+
 typedef float vf __attribute__((vector_size(VL * 4)));
 
 static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -140,16 +142,6 @@ static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t
         }                                                                                                 \
     }                                                                                                     \
 }
-
-/* The bytes of NR outputs' blocks, asked for AHEAD tiles before they are used: streaming a large matrix
- * (the LM head) from memory, the hardware prefetchers alone left the kernel waiting on most loads. */
-#define AHEAD 4
-static inline void prefetch(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
-}
-#define PREFETCH_q4(q, d, m, n, K) (prefetch((const uint8_t *)(q) + (n) * ((K) / 2), NR * (K) / 2),          \
-                                    prefetch((d) + (n) * ((K) / 32), NR * (K) / 16), prefetch((m) + (n) * ((K) / 32), NR * (K) / 16))
-#define PREFETCH_q8(q, d, m, n, K) (prefetch((const int8_t *)(q) + (n) * (K), NR * (K)), prefetch((d) + (n) * ((K) / 32), NR * (K) / 16))
 
 /* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
  * tile one output at a time: the same operations per output either way). */

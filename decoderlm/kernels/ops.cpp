@@ -1,5 +1,5 @@
 // blocks.c's and qdot.c's kernels as torch operators (decoderlm::block_matmul, block_matmul_int8x,
-// block_dequantize; their schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
+// block_matmul_int16x, block_dequantize; their schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
 // written in C++ without going back to Python: ~3 µs a call against ~15 through Python, ~200 calls a token.
 // Written against torch's stable ABI, whose headers compile in a second.
 #include <torch/csrc/stable/library.h>
@@ -22,6 +22,8 @@ typedef void (*dequantize_fn)(const void *q, const void *d, const void *m, int64
   void q8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q4x8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q8x8_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
+  void q4x16_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
+  void q8x16_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q4_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);  \
   void q8_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);
 DECLARE(avx512)
@@ -30,11 +32,13 @@ DECLARE(default)
 }
 
 namespace {
-// Per level, in the order of VARIANTS in __init__.py: {q4, q8}, with fp32 x (blocks.c) and int8 x (qdot.c).
+// Per level, in the order of VARIANTS in __init__.py: {q4, q8}, with fp32 x (blocks.c), and int8 or 16-bit x (qdot.c).
 const matmul_fn MATMUL[3][2] = {{q4_matmul_avx512, q8_matmul_avx512}, {q4_matmul_avx2, q8_matmul_avx2},
                                 {q4_matmul_default, q8_matmul_default}};
 const matmul_fn MATMUL_INT8X[3][2] = {{q4x8_matmul_avx512, q8x8_matmul_avx512}, {q4x8_matmul_avx2, q8x8_matmul_avx2},
                                       {q4x8_matmul_default, q8x8_matmul_default}};
+const matmul_fn MATMUL_INT16X[3][2] = {{q4x16_matmul_avx512, q8x16_matmul_avx512}, {q4x16_matmul_avx2, q8x16_matmul_avx2},
+                                       {q4x16_matmul_default, q8x16_matmul_default}};
 const dequantize_fn DEQUANTIZE[3][2] = {{q4_dequantize_avx512, q8_dequantize_avx512},
                                         {q4_dequantize_avx2, q8_dequantize_avx2},
                                         {q4_dequantize_default, q8_dequantize_default}};
@@ -48,7 +52,7 @@ void check(const Tensor &q, const Tensor &d, const std::optional<Tensor> &m) {
   STD_TORCH_CHECK(!m || (m->is_contiguous() && m->scalar_type() == ScalarType::Half), "blocks: offsets m fp16, contiguous");
 }
 
-// y (M, N) = x (M, K) · Wᵀ, fp32, with fp32 x or x rounded to int8 (`kernels`).
+// y (M, N) = x (M, K) · Wᵀ, fp32, with fp32 x or x rounded to int8 or 16 bits (`kernels`).
 Tensor matmul(const matmul_fn (&kernels)[3][2], Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) {
   check(q, d, m);
   STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == ScalarType::Float, "x: (M, K) fp32, contiguous");
@@ -62,6 +66,7 @@ Tensor matmul(const matmul_fn (&kernels)[3][2], Tensor x, Tensor q, Tensor d, st
 
 Tensor block_matmul(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) { return matmul(MATMUL, x, q, d, m); }
 Tensor block_matmul_int8x(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) { return matmul(MATMUL_INT8X, x, q, d, m); }
+Tensor block_matmul_int16x(Tensor x, Tensor q, Tensor d, std::optional<Tensor> m) { return matmul(MATMUL_INT16X, x, q, d, m); }
 
 // The fp32 weight (N, K).
 Tensor block_dequantize(Tensor q, Tensor d, std::optional<Tensor> m) {
@@ -79,5 +84,6 @@ extern "C" void use_level(int index) { level = index; }
 STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("block_matmul", TORCH_BOX(&block_matmul));
   m.impl("block_matmul_int8x", TORCH_BOX(&block_matmul_int8x));
+  m.impl("block_matmul_int16x", TORCH_BOX(&block_matmul_int16x));
   m.impl("block_dequantize", TORCH_BOX(&block_dequantize));
 }

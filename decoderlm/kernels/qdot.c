@@ -1,11 +1,15 @@
-/* y = x · Wᵀ for blocks.c's Q4_1 / Q8_0 weights with int8 activations and integer dot products, the
- * arithmetic of llama.cpp's CPU kernels: each block of 32 inputs of a row of x is rounded to int8 with
- * a scale dx = max|x| / 127 (llama.cpp's Q8_1), and a block's products are summed exactly in int32:
+/* y = x · Wᵀ for blocks.c's Q4_1 / Q8_0 weights with integer activations and integer dot products, the
+ * arithmetic of llama.cpp's CPU kernels: each block of 32 inputs of a row of x is rounded to integers
+ * qx with a scale dx = max|x| / QMAX, and a block's products are summed exactly in int32:
  *
  *   x · w over a block = dw·dx · Σ qw·qx + m·dx·Σ qx     (Q8_0: m = 0)
  *
- * That is 2-3x fewer instructions a weight than blocks.c's fp32 path, for x rounded to 8 bits (an
- * error of at most 1/254 of its block's largest value).
+ * DIGITS = 1: qx is int8 (QMAX = 127, llama.cpp's Q8_1), an error of up to 1/254 of the block's largest
+ * value, for 2-3x fewer instructions a weight than blocks.c's fp32 path.
+ * DIGITS = 2: qx has two int8 digits, qx = 255·hi + lo with hi, lo in -127..127 (QMAX = 127·256 = 32512,
+ * 16 bits): each digit's products are summed as for DIGITS = 1 and the two sums joined, exactly, as
+ * 255·Σ qw·hi + Σ qw·lo. The error is 256 times smaller (1/65024 of the block's largest value), for
+ * twice the integer products.
  *
  * Lanes: four blocks b..b+3 (a quad, 128 inputs) fill 16 int32 lanes, 4 a block: lane l of block j
  * sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles, then high).
@@ -14,7 +18,8 @@
  * rounds its own way). As in blocks.c, a row's result never depends on the other rows of the batch.
  *
  * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd where the CPU has VNNI),
- * 8 (AVX2) or 4 (SSSE3), and NAME = the suffix of its entry points.
+ * 8 (AVX2) or 4 (SSSE3), and NAME = the suffix of its entry points; and once per DIGITS, whose entry
+ * points are q4x8_matmul_NAME / q8x8_matmul_NAME (1) and q4x16_matmul_NAME / q8x16_matmul_NAME (2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +27,8 @@
 #include <string.h>
 
 #include <immintrin.h>
+
+#include "stream.h"
 
 #define NV (16 / VL)  /* float vectors a quad */
 #if VL == 16
@@ -33,14 +40,27 @@
 #endif
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
+#ifndef DIGITS
+#define DIGITS 1
+#endif
+#define GLUE_(a, b, c) a##b##c
+#define GLUE(a, b, c) GLUE_(a, b, c)
+#if DIGITS == 2
+#define QMAX 32512
+#define XBITS x16
+#else
+#define QMAX 127
+#define XBITS x8
+#endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
-/* A row of x quantized, per quad: its 128 int8 values, inputs 0..15 of the four blocks and then their
- * inputs 16..31; per lane the block's dx; and dx·Σqx in each block's first lane (0 in the others). */
+/* A row of x quantized, per quad: its 128 int8 values (DIGITS = 2: their high digits, then the low
+ * ones), inputs 0..15 of the four blocks and then their inputs 16..31; per lane the block's dx; and
+ * dx·Σqx in each block's first lane (0 in the others). */
 typedef struct {
-    int8_t q[128];
+    int8_t q[DIGITS][128];
     float dx[16], sx[16];
 } xquad;
 
@@ -182,11 +202,16 @@ static void quantize_row(const float *x, int64_t K, xquad *out) {
             const float *xb = x + (4 * p + j) * 32;
             float amax = 0;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float dx = amax / 127, inv = amax > 0 ? 127 / amax : 0;
+            const float dx = amax / QMAX, inv = amax > 0 ? QMAX / amax : 0;
             int32_t sum = 0;
             for (int i = 0; i < 32; i++) {
-                const int32_t v = (int32_t)nearbyintf(xb[i] * inv);
-                o->q[(i < 16 ? 0 : 64) + 16 * j + i % 16] = (int8_t)v;
+                const int32_t v = (int32_t)nearbyintf(xb[i] * inv), at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
+#if DIGITS == 2
+                const int32_t hi = v >= 0 ? (v + 127) / 255 : -((127 - v) / 255);  /* nearest: 255 is odd, no ties */
+                o->q[0][at] = (int8_t)hi, o->q[1][at] = (int8_t)(v - 255 * hi);
+#else
+                o->q[0][at] = (int8_t)v;
+#endif
                 sum += v;
             }
             for (int l = 0; l < 4; l++) o->dx[4 * j + l] = dx;
@@ -215,7 +240,12 @@ static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NR
         for (int i = 0; i < NV; i++) dx[i] = loadf(xp->dx + VL * i), sx[i] = loadf(xp->sx + VL * i);     \
         for (int n = 0; n < NRC; n++) {                                                                   \
             vi s[NV];                                                                                     \
-            dots(&w[n], xp->q, !Q4_##KIND, s);                                                            \
+            dots(&w[n], xp->q[0], !Q4_##KIND, s);                                                         \
+            if (DIGITS == 2) {  /* 255·Σ qw·hi + Σ qw·lo, exact */                                        \
+                vi lo[NV];                                                                                \
+                dots(&w[n], xp->q[DIGITS - 1], !Q4_##KIND, lo);                                           \
+                for (int i = 0; i < NV; i++) s[i] = (s[i] << 8) - s[i] + lo[i];                           \
+            }                                                                                             \
             for (int i = 0; i < NV; i++) {                                                                \
                 acc[r][n][i] = fmadd(dw[n][i] * dx[i], tofloat(s[i]), acc[r][n][i]);                      \
                 if (Q4_##KIND) acc[r][n][i] = fmadd(mw[n][i], sx[i], acc[r][n][i]);                       \
@@ -261,13 +291,14 @@ static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, con
     for (; r < M; r++)                                                                                    \
         (wide ? CAT(CAT(tile_##KIND##_1, NR), NAME) : CAT(tile_##KIND##_1_1, NAME))(xs + r * P, K, q, d, m, n0, y + r * N, N); \
 }                                                                                                         \
-void CAT(KIND##x8_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,  \
+void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,  \
                                 const _Float16 *m, int64_t N, float *y) {                                 \
     const int64_t P = (K / 32 + 3) / 4, tiles = N / NR;                                                   \
     xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
     for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P);                               \
     _Pragma("omp parallel for schedule(static)")                                                          \
     for (int64_t t = 0; t <= tiles; t++) {                                                                \
+        if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                             \
         if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N);                     \
         else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
     }                                                                                                     \

@@ -257,7 +257,7 @@ class Engine:
         # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
         for group in ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]):
             if group:
-                with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.int8_x)
+                with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.activations)
                     last = self._forward(group)
                 done = [i for i, (seq, _) in enumerate(group) if seq.pending == 0]
                 logits.append(last[done])
