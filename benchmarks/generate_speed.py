@@ -1,8 +1,9 @@
 """Generation speed on this machine: decoderlm vs HF transformers vs llama.cpp, same model, same run.
 
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
-of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks in
-fp32 arithmetic; int8-act: the same blocks with llama.cpp's int8 activations);
+of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks with
+16-bit activations in decode steps; fp32-act: the same blocks in fp32 arithmetic; int8-act: with
+llama.cpp's int8 activations);
 transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
 the Q4_1 weights as they are. Each engine decodes greedy tokens for the same prompt ids, the torch
 engines all on this one thread (see transformers_engine); time to the first token measures prefill,

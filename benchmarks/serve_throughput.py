@@ -1,8 +1,8 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
-(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps with int8 activations) and in each --quantize mode asked for (default: none, the
-float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
+(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps with 16-bit activations) and in each --quantize
+mode asked for (default: none, the float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
 all clients of a level start together. Reported per level: aggregate generated tokens per second
 (all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
@@ -25,7 +25,7 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
-    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--streams 1,4,8,16] [--threads N]
+    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--activations fp32] [--streams 1,4,8,16] [--threads N]
         [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--out JSON]
 
 `--isa avx2` runs decoderlm's servers as an AVX2 machine would (`decoderlm.isa.env`) on a CPU with more.
@@ -119,9 +119,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise SystemExit(f"{url} did not become healthy in {timeout} s")
 
 
-def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None) -> subprocess.Popen:
+def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = None, activations: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "decoderlm", "serve", "--model", args.model, "--port", str(port), "--max-batch", str(max(args.streams))]
     cmd += ["--quantize", quantize] if quantize else []
+    cmd += ["--activations", activations] if activations else []
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = os.environ if args.isa == "native" else isa.env(args.isa)
@@ -228,6 +229,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
+    p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=["fp32"],
+                   help="also serve the default mode with these --activations (default: fp32; '' for none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
     p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                    help="the CPU level decoderlm's servers run at (llama-server runs as built)")
@@ -237,6 +240,7 @@ def main() -> None:
         raise SystemExit(f"this CPU runs only the levels {', '.join(isa.supported())}")
     args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     servers = {"decoderlm auto": start_decoderlm} | {f"decoderlm {q}": partial(start_decoderlm, quantize=q) for q in args.quantize}
+    servers |= {f"decoderlm auto --activations {a}": partial(start_decoderlm, activations=a) for a in args.activations}
     servers |= {"llama-server": start_llama} if args.llama_server else {}
     meta = {"machine": isa.describe(), "decoderlm_isa": isa.native() if args.isa == "native" else args.isa, "threads": args.threads,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "model": args.model,
