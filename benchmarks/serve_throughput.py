@@ -1,8 +1,9 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
-(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps with 16-bit activations) and in each --quantize
-mode asked for (default: none, the float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
+(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in fp32 arithmetic), with each --activations
+asked for (default: int16, the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
+float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
 all clients of a level start together. Reported per level: aggregate generated tokens per second
 (all tokens / wall time of the level), p50 / p95 time to first token and inter-token latency
@@ -25,7 +26,7 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
-    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--activations fp32] [--streams 1,4,8,16] [--threads N]
+    python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--activations int16] [--streams 1,4,8,16] [--threads N]
         [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--out JSON]
 
 `--isa avx2` runs decoderlm's servers as an AVX2 machine would (`decoderlm.isa.env`) on a CPU with more.
@@ -229,8 +230,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
-    p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=["fp32"],
-                   help="also serve the default mode with these --activations (default: fp32; '' for none)")
+    p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=["int16"],
+                   help="also serve the default mode with these --activations (default: int16, chat's; serve's own is fp32; '' for none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
     p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                    help="the CPU level decoderlm's servers run at (llama-server runs as built)")

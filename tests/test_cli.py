@@ -206,3 +206,11 @@ def test_the_installed_entry_point_reports_errors_without_traceback(tmp_path, ru
     proc = subprocess.run([sys.executable, "-m", "decoderlm", *argv], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_the_server_decodes_in_fp32_arithmetic_and_chat_in_int16():
+    """`serve` decodes batches of rows, which run faster in fp32 arithmetic than with int16 activations
+    (benchmarks/results/serve_throughput.json); `chat`, `generate` and `compile` decode one row: auto (int16)."""
+    defaults = {name: a.default for name, p in parsers(build_parser()) for a in p._actions if a.dest == "activations"}
+    assert defaults["decoderlm serve"] == "fp32"
+    assert defaults["decoderlm chat"] == defaults["decoderlm generate"] == defaults["decoderlm compile"] == "auto"

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the format tool calls are read in (default: the one the chat template teaches; generic without a tool section)")
     p.add_argument("--grammar-timeout", type=float, default=None,
                    help="seconds a request's JSON schema or tool grammar may take to compile before it is refused with a 400 (default: 5)")
-    add_model_flags(p, quantize="auto")
+    add_model_flags(p, quantize="auto", activations="fp32")
     p.set_defaults(func=cmd_serve)
 
 
