@@ -7,9 +7,9 @@ stream from memory as in a decode step; the arithmetics are interleaved within e
 median is reported, with each one's speed over fp32's and its error against the fp32 product of the
 rounded weights (relative Frobenius norm).
 
-    python benchmarks/kernels.py [--isa native|avx2|avx512|default] [--threads 2] [--repeats 7] [--layers 30]
+    python benchmarks/block_kernels.py [--isa native|avx2|avx512|default] [--threads 2] [--repeats 7] [--layers 30]
 
-`--isa avx2` runs decoderlm's AVX2 variant (`decoderlm.isa.env`) and writes kernels_avx2.json.
+`--isa avx2` runs decoderlm's AVX2 variant (`decoderlm.isa.env`) and writes block_kernels_avx2.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from decoderlm import isa, kernels
 from decoderlm.quantize import BlockLinear
 
-RESULTS = Path(__file__).parent / "results" / "kernels.json"
+RESULTS = Path(__file__).parent / "results" / "block_kernels.json"
 SHAPES = {"qkv (960×576, Q4_1)": (960, 576, 4), "gate_up (3072×576, Q4_1)": (3072, 576, 4), "down (576×1536, Q4_1)": (576, 1536, 4),
           "o (576×576, Q4_1)": (576, 576, 4), "LM head (49152×576, Q8_0)": (49152, 576, 8)}
 ARITHMETICS = ("fp32", "int16", "int8")
