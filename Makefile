@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/quality.py
 	$(PY) benchmarks/generate_speed.py
 	$(PY) benchmarks/compiled_decode.py
+	$(PY) benchmarks/block_kernels.py
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
