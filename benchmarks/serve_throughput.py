@@ -2,7 +2,7 @@
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
 (`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in fp32 arithmetic), with each --activations
-asked for (default: int16, the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
+asked for (int16 is the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
 float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
 all clients of a level start together. Reported per level: aggregate generated tokens per second
@@ -230,8 +230,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
-    p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=["int16"],
-                   help="also serve the default mode with these --activations (default: int16, chat's; serve's own is fp32; '' for none)")
+    p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=[],
+                   help="also serve the default mode with these --activations, e.g. int16, chat's (serve's own is fp32; "
+                        "a model without block layers refuses int16 and int8; default: none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
     p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                    help="the CPU level decoderlm's servers run at (llama-server runs as built)")
