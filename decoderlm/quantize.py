@@ -364,8 +364,11 @@ class BlockLinear(nn.Module):
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
             y = h @ (torch.ops.decoderlm.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
         elif self.activations != "fp32" and not PROMPT[0]:
-            op = torch.ops.decoderlm.block_matmul_int16x if self.activations == "int16" else torch.ops.decoderlm.block_matmul_int8x
-            y = op(h, *args) if compiling else kernels.matmul(h, *args, self.activations)
+            if compiling:
+                op = torch.ops.decoderlm.block_matmul_int16x if self.activations == "int16" else torch.ops.decoderlm.block_matmul_int8x
+                y = op(h, *args)
+            else:  # eager decode steps: no operator lookup
+                y = kernels.matmul(h, *args, self.activations)
             if self.exact:
                 y = rescore(y, h, self.weight_rows, None)  # the bias is added below, to every output
         else:
