@@ -1,4 +1,4 @@
-"""decoderlm's own CPU kernels: matmuls over llama.cpp's Q4_1 / Q8_0 blocks.
+"""decoderlm's own CPU kernels: matmuls over llama.cpp's Q4_1 / Q8_0 blocks, and a decode step's attention.
 
 A quantized layer reads each weight once per token, so its speed is the bytes it reads; what it
 computes with them decides its answers. torch's packed int4 kernel is fast only in bf16 (activations,
@@ -7,9 +7,11 @@ share the call. These kernels (`blocks.c`) unpack each block of 32 4- or 8-bit v
 multiply it with every row of fp32 activations and sum in fp32: the result is the float path's up to
 the order of the sums, and a row's result never depends on the others. `qdot.c` multiplies the same
 blocks as llama.cpp does, with x rounded to int8 per block of 32 and integer dot products: 2-3x faster
-for one row, at the price of that rounding (`matmul(..., int8_x=True)`).
+for one row, at the price of that rounding (`matmul(..., activations="int8")`; "int16" rounds 256 times
+closer). `attention.c` attends one query per row over its cached keys (`attend_one`), read in place from
+a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order.
 
-`blocks.c` and `qdot.c` are compiled on first use with the machine's C compiler, once for each
+`blocks.c`, `qdot.c` and `attention.c` are compiled on first use with the machine's C compiler, once for each
 instruction set (AVX-512, with VNNI where the CPU has it; AVX2; SSE4.1), and linked with `ops.cpp` (the same kernels as torch operators, for compiled
 steps) into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`); the variant that
 runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs the AVX2 code.
@@ -34,7 +36,7 @@ from decoderlm import isa
 
 HERE = Path(__file__).parent
 # (source, its own flags): qdot.c twice, with int8 activations (x8) and with 16-bit ones in two int8 digits (x16)
-UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"])]
+UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"]), (HERE / "attention.c", [])]
 OPS, HEADER = HERE / "ops.cpp", HERE / "stream.h"
 # level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
@@ -97,6 +99,10 @@ def library() -> ctypes.CDLL | None:
                 fn.argtypes, fn.restype = args, None
             fn = getattr(lib, f"{kind}_dequantize_{name}")
             fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p], None
+        fn = getattr(lib, f"attend_one_{name}")
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p,
+                       *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p]
+        fn.restype = None
     lib.use_level(list(VARIANTS).index(level()))
     return lib
 
@@ -148,6 +154,36 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torc
     function("q8_dequantize" if m is None else "q4_dequantize")(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
                                                                   N, K, w.data_ptr())
     return w
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               blocks: tuple[torch.Tensor, int, list[int]] | None = None) -> torch.Tensor:
+    """Attention of one query per row (attention.c), fp32: q (B, H, 1, D) over keys k (B, Hkv, L, D) and
+    values v (B, Hkv, L, Dv) → (B, H, 1, Dv); mask: additive (B or 1, 1, 1, L) or None. Every row's sums
+    run in one fixed order, so a row's result depends on nothing else in the batch.
+    blocks=(table (B, W), block_size, lengths): k and v are a paged pool's slots (S, Hkv, D), row b's
+    key l in slot table[b, l // block_size] · block_size + l % block_size, for l < lengths[b]."""
+    B, H, _, D = q.shape
+    if not q.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
+        raise TypeError("attend_one computes in fp32: q, k, v and the mask must be float32")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if blocks is None:
+        table, W, bs, lens = None, 0, 0, torch.full((B,), k.shape[2], dtype=torch.int64)
+        ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
+    else:
+        table, bs, lengths = blocks
+        table, W, lens = table.contiguous(), table.shape[1], torch.tensor(lengths, dtype=torch.int64)
+        ks, vs = (k.stride(0) * bs, k.stride(0), k.stride(1)), (v.stride(0) * bs, v.stride(0), v.stride(1))
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    y = torch.empty(B, H, 1, Dv, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], mask.shape[-1])
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    function("attend_one")(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *ks, v.data_ptr(), *vs,
+                           None if table is None else table.data_ptr(), W, bs, lens.data_ptr(),
+                           None if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+                           B, H, Hkv, D, Dv, scale, y.data_ptr())
+    return y
 
 
 # The same kernels as operators a compiled graph can call (ops.cpp); eager code calls the functions above.

@@ -8,6 +8,10 @@ Two options SDPA has no switch for are written out in `attention_math`: Gemma-2'
 scores (c·tanh(s / c), which bounds every logit to ±c) and gpt-oss's attention sinks (one learned logit
 per head joins each softmax: it takes probability mass and gives no value, so a head can attend to
 nothing).
+
+A decode step in inference on the CPU (one new query per row, fp32) runs on decoderlm's own kernel
+(`kernels.attend_one`) instead of SDPA: one call for the whole batch, each row's sums in one fixed
+order, reading a paged cache's blocks in place.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoderlm import kernels
 from decoderlm.config import ModelConfig
 from decoderlm.model.cache import Cache
 from decoderlm.model.norm import RMSNorm
@@ -72,6 +77,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)
+        if T == 1 and self.one_query_kernel(q, k, mask):  # a decode step on the CPU
+            scale = self.scale or self.head_dim ** -0.5
+            if (paged := getattr(cache, "attend_one", None)) is not None:  # the pool's blocks, where they are
+                y = paged(self.layer, q, k, v, mask, scale)
+            else:
+                if cache is not None:
+                    k, v = cache.update(self.layer, k, v)
+                y = kernels.attend_one(q, k, v, mask, scale)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, Hkv, L, D): every token so far
         # Under CPU bf16 autocast (training with --dtype bfloat16) attention runs in fp32: the CPU's bf16
@@ -101,6 +115,14 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def one_query_kernel(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        """Whether this one-query step runs on decoderlm's attention kernel (`kernels.attend_one`): in fp32
+        on the CPU, outside autograd and compiled graphs, with SDPA's own options. Its sums run in one
+        order per row, so a sequence gets the same bits alone, in a batch, from any cache."""
+        return (q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" and self.softcap is None and self.sinks is None
+                and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling()
+                and (mask is None or (mask.dtype == torch.float32 and mask.shape[1] == mask.shape[2] == 1)) and kernels.available())
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
         """softmax(cap(q·kᵀ · scale) + mask) in fp32 for queries (B, H, T, D) over keys (B, Hkv, L, D):

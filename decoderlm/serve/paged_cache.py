@@ -26,6 +26,7 @@ blocks its next query sees (after a preemption a sequence is recomputed from its
 
 `PagedCache` is the view of one forward: a batch of sequences of different lengths, each adding
 some new tokens, through the `decoderlm.model.cache.Cache` contract the model already writes through.
+A decode step (one new token per row) attends in the pool itself, through the tables (`attend_one`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections import OrderedDict, deque
 import torch
 import torch.nn.functional as F
 
+from decoderlm import kernels
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import KEY_ALIGN, aligned, build_mask
@@ -165,9 +167,9 @@ class PagedCache:
     block_tables[i][g] is row i's table for layer group g; each must already cover context + new tokens.
     seq_lens: each row's whole length (for a RoPE whose frequencies depend on it, LongRoPE's), when known.
 
-    Attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask hides padding
-    and unwritten slots by position, so rows of any length share one SDPA call. Padding columns
-    write into the null block, which no table really uses."""
+    A prefill chunk's attention gathers each row's blocks into a padded (B, Hkv, L, D) tensor; the mask
+    hides padding and unwritten slots by position. A decode step's reads them where they are
+    (`attend_one`). Padding columns write into the null block, which no table really uses."""
 
     def __init__(self, pool: BlockPool, block_tables: list[list[list[int]]], context_lens: list[int],
                  new_lens: list[int], seq_lens: list[int] | None = None) -> None:
@@ -202,13 +204,20 @@ class PagedCache:
         # Causality alone hides the slots not yet written: they hold positions after every query.
         return build_mask(self.q_pos, self.k_pos, window, dtype)  # (B, 1, T, L)
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new k, v (B, Hkv, T, D) into their slots; the layer's pool tensors (slots, Hkv, D)."""
+        B, T, L = self.shape
+        g, j = self.pool.place[layer]  # the layer's group (its tables) and its tensor in the pool
+        pool_k, pool_v, write_slots = self.pool.k[j], self.pool.v[j], self.write_slots[g]
+        pool_k.index_copy_(0, write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
+        pool_v.index_copy_(0, write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
+        return pool_k, pool_v
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) into their slots; gather every row's keys/values (B, Hkv, L, D)."""
         B, T, L = self.shape
-        g, j = self.pool.place[layer]  # the layer's group (its tables) and its tensor in the pool
-        pool_k, pool_v, blocks, write_slots = self.pool.k[j], self.pool.v[j], self.blocks[g], self.write_slots[g]
-        pool_k.index_copy_(0, write_slots, k.transpose(1, 2).reshape(B * T, *pool_k.shape[1:]).to(pool_k.dtype))
-        pool_v.index_copy_(0, write_slots, v.transpose(1, 2).reshape(B * T, *pool_v.shape[1:]).to(pool_v.dtype))
+        pool_k, pool_v = self.write(layer, k, v)
+        blocks = self.blocks[self.pool.place[layer][0]]
         # Gather whole blocks (block_size slots in one copy), not single slots.
         N, bs = self.pool.num_blocks, self.pool.block_size
         keys = pool_k.view(N, bs, *pool_k.shape[1:]).index_select(0, blocks).view(B, L, *pool_k.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
@@ -229,6 +238,14 @@ class PagedCache:
                 q[i : i + 1, :, T - n :], k[i : i + 1, :, :L], v[i : i + 1, :, :L], attn_mask=mask[i : i + 1, :, T - n :, :L], scale=scale,
                 enable_gqa=gqa)
         return y
+
+    def attend_one(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+        """A decode step's attention (B, H, 1, D) on decoderlm's kernel, which reads each row's keys and
+        values in the pool's blocks through its table (no gather): k, v (B, Hkv, 1, D) are written first."""
+        pool_k, pool_v = self.write(layer, k, v)
+        tables = self.blocks[self.pool.place[layer][0]].view(self.shape[0], -1)  # (B, W)
+        return kernels.attend_one(q, pool_k, pool_v, mask, scale, blocks=(tables, self.pool.block_size, self.totals))
 
     def advance(self, n: int) -> None:
         """The forward is done: each row's new tokens now count as cached (see `lengths`)."""

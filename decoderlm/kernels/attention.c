@@ -1,0 +1,141 @@
+/* Attention of one new query per row over that row's cached keys: a decode step's attention.
+ *
+ * For each row b and query head h (of group g = h / (H / Hkv), GQA):
+ *     s_l = scale · (q · k_l) + mask_l       for the row's keys l < lens[b]
+ *     y   = Σ_l exp(s_l − max s) · v_l  /  Σ_l exp(s_l − max s)
+ * in fp32, every sum in a fixed order (keys one after another, a dot product's lanes pairwise), by one
+ * thread per (row, head): a row's result depends on nothing else in the batch, on no thread count, and
+ * not on how many masked keys follow its own (their weights are exactly 0, and x + 0 is x). So a
+ * sequence gets the same bits from a contiguous cache, a paged one, alone or in any batch.
+ *
+ * Keys and values are found by strides: row b's key l is at k + b·kb + l·ks + g·kh, or, with a block
+ * table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh.
+ *
+ * Compiled once per instruction set with VL = floats per vector and NAME = its entry point's suffix.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define PANEL 8  /* output vectors summed at once (independent chains) */
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum(vf v) {  /* a fixed order: pairwise halves, a shuffle and an add each */
+#if VL == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+#elif VL == 8
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1});
+    v += __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0});
+#else
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1});
+    v += __builtin_shuffle(v, (vi){1, 0, 1, 0});
+#endif
+    return v[0];
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + VL <= D; i += VL) acc += loadf(a + i) * loadf(b + i);
+    float s = hsum(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* exp(x) for x <= 0, 0 below -87 (where float's normals end; masked keys land far below): x = n·ln 2 + r
+ * with |r| <= ln 2 / 2, exp(r) by its Taylor series to r^7 (relative error ~3e-9 before rounding). */
+static inline vf exp_neg(vf x) {
+    vi keep = x >= -87.0f;
+    x = (vf)((vi)x & keep);
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  /* ln 2 in two parts (Cody–Waite) */
+    vf p = (vf){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vf two_n = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return (vf)((vi)(p * two_n) & keep);
+}
+
+static inline const float *at(const float *base, const int64_t *table, int64_t W, int64_t bs, int64_t b,
+                               int64_t l, int64_t rb, int64_t rs) {
+    return table ? base + table[b * W + l / bs] * rb + (l % bs) * rs : base + b * rb + l * rs;
+}
+
+/* One row's group of G query heads sharing a K/V head: each key and value is read once for all G.
+ * s: scratch of G · padded scores (padded: the longest row rounded up to VL); acc: G · Dv sums.
+ * Inlined with D = Dv = 64 or 128 as constants, so the loops over a row are unrolled. */
+static inline __attribute__((always_inline)) void attend(const float *q, int64_t qh, int64_t G, const float *k, int64_t kb,
+                                                          int64_t ks, const float *v, int64_t vb, int64_t vs,
+                                                          const int64_t *table, int64_t W, int64_t bs, int64_t b, int64_t L,
+                                                          const float *mask, int64_t D, int64_t Dv, float scale, float *s,
+                                                          int64_t padded, float *acc, float *out) {
+    for (int64_t l = 0; l < L; l++) {
+        const float *kl = at(k, table, W, bs, b, l, kb, ks);
+        const float m = mask ? mask[l] : 0.0f;
+        for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kl, D) + m;
+    }
+    float total[G];
+    for (int64_t h = 0; h < G; h++) {
+        float *sh = s + h * padded, best = -__builtin_inff();
+        for (int64_t l = 0; l < L; l++) best = sh[l] > best ? sh[l] : best;
+        for (int64_t l = L; l < (L + VL - 1) / VL * VL; l++) sh[l] = -__builtin_inff();
+        const vf top = best - (vf){0};
+        for (int64_t l = 0; l < L; l += VL) storef(sh + l, exp_neg(loadf(sh + l) - top));
+        total[h] = 0;
+        for (int64_t l = 0; l < L; l++) total[h] += sh[l];
+    }
+    memset(acc, 0, G * Dv * sizeof(float));
+    const int64_t whole = Dv / VL, rest = Dv % VL;
+    for (int64_t l = 0; l < L; l++) {
+        const float *vl = at(v, table, W, bs, b, l, vb, vs);
+        vf x[whole + 1];
+        for (int64_t c = 0; c < whole; c++) x[c] = loadf(vl + c * VL);
+        if (rest) { x[whole] = (vf){0}; memcpy(&x[whole], vl + whole * VL, rest * sizeof(float)); }
+        for (int64_t h = 0; h < G; h++) {
+            const float p = s[h * padded + l];
+            for (int64_t c = 0; c < whole + (rest > 0); c++) storef(acc + h * Dv + c * VL, loadf(acc + h * Dv + c * VL) + p * x[c]);
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < Dv; j++) out[h * Dv + j] = acc[h * Dv + j] / total[h];
+}
+
+void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb, int64_t ks, int64_t kh,
+                           const float *v, int64_t vb, int64_t vs, int64_t vh, const int64_t *table, int64_t W, int64_t bs,
+                           const int64_t *lens, const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t D, int64_t Dv, float scale, float *y) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
+    const int64_t G = H / Hkv, padded = (longest + VL - 1) / VL * VL;
+    _Pragma("omp parallel if (B * H * longest * D >= 65536)")
+    {
+        float *s = malloc(G * padded * sizeof(float)), *acc = malloc(G * (Dv + VL) * sizeof(float));  /* this thread's */
+        _Pragma("omp for schedule(static)")
+        for (int64_t bg = 0; bg < B * Hkv; bg++) {
+            const int64_t b = bg / Hkv, g = bg % Hkv;
+            const float *qg = q + b * qb + g * G * qh, *kg = k + g * kh, *vg = v + g * vh, *m = mask ? mask + b * mb : 0;
+            float *out = y + bg * G * Dv;  /* heads g·G .. g·G + G − 1 of row b */
+            if (D == 64 && Dv == 64) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, 64, 64, scale, s, padded, acc, out);
+            else if (D == 128 && Dv == 128) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, 128, 128, scale, s, padded, acc, out);
+            else attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, D, Dv, scale, s, padded, acc, out);
+        }
+        free(s);
+        free(acc);
+    }
+}

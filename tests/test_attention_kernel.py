@@ -1,0 +1,118 @@
+"""decoderlm's one-query attention kernel (decoderlm/kernels/attention.c), which a decode step runs on the
+CPU: softmax attention within fp32 rounding of the exact one, and, bit for bit, a row's result whatever
+shares its batch, however many masked keys follow its own and whether its keys sit in a contiguous
+cache or in a paged pool's blocks. Marked `isa`: make test runs them again at AVX2 and the plain level."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decoderlm import kernels
+from decoderlm.kv_cache import KVCache
+from decoderlm.model import attention
+
+pytestmark = [pytest.mark.isa, pytest.mark.skipif(not kernels.available(), reason="no C compiler here: SDPA is used")]
+MIN = torch.finfo(torch.float32).min
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Softmax attention in fp64, the K/V heads repeated for their query heads (B, H, 1, Dv)."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = q.double() @ k.transpose(-1, -2) * scale + (0 if mask is None else mask.double())
+    return s.softmax(-1) @ v
+
+
+def inputs(B: int, H: int, Hkv: int, L: int, D: int, seed: int, masked: float = 0.3):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, Hkv, L, D, generator=g) * 2, torch.randn(B, Hkv, L, D, generator=g)
+    hidden = torch.rand(B, 1, 1, L, generator=g) < masked
+    hidden[..., 0] = False  # every row sees one key at least
+    return q, k, v, torch.zeros(B, 1, 1, L).masked_fill_(hidden, MIN)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 5), Hkv=st.integers(1, 3), G=st.integers(1, 4), L=st.integers(1, 70), D=st.sampled_from([8, 24, 64, 80, 128]),
+       masked=st.booleans(), seed=st.integers(0, 99))
+def test_attention_of_one_query_is_softmax_attention(B, Hkv, G, L, D, masked, seed):
+    """Any batch, head grouping, key count and head size (not only multiples of a vector): within fp32
+    rounding of fp64 softmax attention; masked keys (the mask's minimum) get no weight at all."""
+    q, k, v, mask = inputs(B, G * Hkv, Hkv, L, D, seed)
+    mask = mask if masked else None
+    y = kernels.attend_one(q, k, v, mask, D ** -0.5)
+    assert y.shape == (B, G * Hkv, 1, D)
+    torch.testing.assert_close(y.double(), reference(q, k, v, mask, D ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_it_is_what_sdpa_computes_for_a_decode_step():
+    q, k, v, mask = inputs(3, 9, 3, 200, 64, seed=1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(kernels.attend_one(q, k, v, mask, 64 ** -0.5), expected, atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(2, 9), L=st.integers(1, 300), extra=st.integers(1, 40), seed=st.integers(0, 99))
+def test_a_row_is_the_same_alone_in_a_batch_and_with_masked_keys_after_its_own(B, L, extra, seed):
+    """Bit for bit: a row alone equals the row in the batch (whatever the thread split), and equals it
+    with `extra` masked slots after its keys, as a cache rounded up to whole blocks hands them."""
+    q, k, v, mask = inputs(B, 6, 2, L, 64, seed)
+    whole = kernels.attend_one(q, k, v, mask, 0.125)
+    i = seed % B
+    assert torch.equal(kernels.attend_one(q[i : i + 1], k[i : i + 1], v[i : i + 1], mask[i : i + 1], 0.125), whole[i : i + 1])
+    junk = torch.randn(B, 2, extra, 64)
+    longer = kernels.attend_one(q, torch.cat((k, junk), 2), torch.cat((v, junk), 2), F.pad(mask, (0, extra), value=MIN), 0.125)
+    assert torch.equal(longer, whole)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
+def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, seed):
+    """A paged pool (slots, Hkv, D), each row's blocks anywhere in it: the same bits as the row's keys
+    laid out contiguously, each row over its own length only."""
+    B, Hkv, D, L = len(lengths), 2, 32, max(lengths)
+    W = -(-L // bs)
+    blocks = list(range(1, 1 + B * W))
+    random.Random(seed).shuffle(blocks)
+    table = torch.tensor(blocks).view(B, W)
+    q, k, v, _ = inputs(B, 4, Hkv, W * bs, D, seed)
+    pool_k, pool_v = torch.randn((1 + B * W) * bs, Hkv, D), torch.randn((1 + B * W) * bs, Hkv, D)
+    slots = (table[..., None] * bs + torch.arange(bs)).view(B, W * bs)  # (B, L): slot of key l
+    for b in range(B):
+        pool_k[slots[b]], pool_v[slots[b]] = k[b].transpose(0, 1), v[b].transpose(0, 1)
+    paged = kernels.attend_one(q, pool_k, pool_v, None, 0.2, blocks=(table, bs, lengths))
+    for b, n in enumerate(lengths):
+        alone = kernels.attend_one(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, 0.2)
+        assert torch.equal(paged[b : b + 1], alone)
+
+
+def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):
+    """A model's one-token steps in inference go through the kernel (and not a training forward); with
+    the kernel switched off (SDPA) the logits agree to fp32 rounding."""
+    model = tiny_model(n_kv_heads=2).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = kernels.attend_one
+    monkeypatch.setattr(kernels, "attend_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def decode(expect_calls: bool) -> torch.Tensor:
+        cache, calls[:] = KVCache(model.config, 2, 16), []
+        with torch.inference_mode():
+            model(ids[:, :6], cache=cache)
+            out = torch.cat([model(ids[:, j : j + 1], cache=cache).logits for j in range(6, 9)], 1)
+        assert bool(calls) == expect_calls
+        return out
+
+    on = decode(True)
+    assert len(calls) == 3 * model.config.n_layers
+    calls.clear()
+    model(ids[:, :1]).logits.sum().backward()  # training: autograd needs SDPA
+    assert not calls
+    monkeypatch.setattr(attention.Attention, "one_query_kernel", lambda *a: False)
+    torch.testing.assert_close(on, decode(False), atol=1e-5, rtol=1e-5)
