@@ -9,9 +9,10 @@ the order of the sums, and a row's result never depends on the others. `qdot.c` 
 blocks as llama.cpp does, with x rounded to int8 per block of 32 and integer dot products: 2-3x faster
 for one row, at the price of that rounding (`matmul(..., activations="int8")`; "int16" rounds 256 times
 closer). `attention.c` attends one query per row over its cached keys (`attend_one`), read in place from
-a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order.
+a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order;
+`norm.c` is RMSNorm (`rms_norm`): two small ops of a decode step that cost most in torch's dispatch.
 
-`blocks.c`, `qdot.c` and `attention.c` are compiled on first use with the machine's C compiler, once for each
+These files are compiled on first use with the machine's C compiler, once for each
 instruction set (AVX-512, with VNNI where the CPU has it; AVX2; SSE4.1), and linked with `ops.cpp` (the same kernels as torch operators, for compiled
 steps) into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`); the variant that
 runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs the AVX2 code.
@@ -36,7 +37,8 @@ from decoderlm import isa
 
 HERE = Path(__file__).parent
 # (source, its own flags): qdot.c twice, with int8 activations (x8) and with 16-bit ones in two int8 digits (x16)
-UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"]), (HERE / "attention.c", [])]
+UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"]), (HERE / "attention.c", []),
+         (HERE / "norm.c", [])]
 OPS, HEADER = HERE / "ops.cpp", HERE / "stream.h"
 # level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
@@ -103,6 +105,8 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p,
                        *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
+        fn = getattr(lib, f"rms_norm_{name}")
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
     lib.use_level(list(VARIANTS).index(level()))
     return lib
 
@@ -154,6 +158,15 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torc
     function("q8_dequantize" if m is None else "q4_dequantize")(q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
                                                                   N, K, w.data_ptr())
     return w
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of fp32 x (..., N) with fp32 weight w (N,) (norm.c): each row's
+    sum of squares in one fixed order."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    function("rms_norm")(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -1,7 +1,8 @@
-"""decoderlm's one-query attention kernel (decoderlm/kernels/attention.c), which a decode step runs on the
-CPU: softmax attention within fp32 rounding of the exact one, and, bit for bit, a row's result whatever
-shares its batch, however many masked keys follow its own and whether its keys sit in a contiguous
-cache or in a paged pool's blocks. Marked `isa`: make test runs them again at AVX2 and the plain level."""
+"""The kernels of a decode step's small ops on the CPU (decoderlm/kernels): one-query attention
+(attention.c), softmax attention within fp32 rounding of the exact one and, bit for bit, a row's result
+whatever shares its batch, however many masked keys follow its own and whether its keys sit in a
+contiguous cache or in a paged pool's blocks; RMSNorm (norm.c), within fp32 rounding, a row's result
+its own. Marked `isa`: make test runs them again at AVX2 and the plain level."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from decoderlm import kernels
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import attention
+from decoderlm.model.norm import RMSNorm
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not kernels.available(), reason="no C compiler here: SDPA is used")]
 MIN = torch.finfo(torch.float32).min
@@ -116,3 +118,32 @@ def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):
     assert not calls
     monkeypatch.setattr(attention.Attention, "one_query_kernel", lambda *a: False)
     torch.testing.assert_close(on, decode(False), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), N=st.integers(1, 300), eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 99))
+def test_rms_norm_is_the_exact_norm_and_a_rows_own(rows, N, eps, seed):
+    """Any width (not only multiples of a vector): within fp32 rounding of fp64; each row alone gives
+    the bits it gives in the batch."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, N, generator=g) * 3, torch.randn(N, generator=g)
+    y = kernels.rms_norm(x, w, eps)
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(y.double(), exact, atol=1e-6, rtol=1e-5)
+    i = seed % rows
+    assert torch.equal(kernels.rms_norm(x[i : i + 1], w, eps), y[i : i + 1])
+
+
+def test_rms_norm_layer_uses_the_kernel_only_in_inference(monkeypatch):
+    norm = RMSNorm(48, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 3, 48)
+    calls = []
+    real = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        fast = norm(x)
+    assert calls == [1]
+    trained = norm(x)  # autograd: torch's op
+    assert calls == [1] and trained.requires_grad
+    torch.testing.assert_close(fast, trained.detach(), atol=1e-6, rtol=1e-5)
