@@ -4,7 +4,7 @@
  *     s_l = scale · (q · k_l) + mask_l       for the row's keys l < lens[b]
  *     y   = Σ_l exp(s_l − max s) · v_l  /  Σ_l exp(s_l − max s)
  * in fp32, every sum in a fixed order (keys one after another, a dot product's lanes pairwise), by one
- * thread per (row, head): a row's result depends on nothing else in the batch, on no thread count, and
+ * thread per (row, K/V head), for the query heads of its group: a row's result depends on nothing else in the batch, on no thread count, and
  * not on how many masked keys follow its own (their weights are exactly 0, and x + 0 is x). So a
  * sequence gets the same bits from a contiguous cache, a paged one, alone or in any batch.
  *
@@ -19,7 +19,6 @@
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
-#define PANEL 8  /* output vectors summed at once (independent chains) */
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
