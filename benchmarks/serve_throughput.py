@@ -1,7 +1,8 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
-(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in fp32 arithmetic), with each --activations
+(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in fp32 arithmetic, through the compiled
+server step, built before the measurement where missing; `--no-compile`: eager steps), with each --activations
 asked for (int16 is the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
 float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
 streams one chat completion of exactly 128 tokens (greedy, `ignore_eos`) for its own question;
@@ -27,7 +28,7 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
     python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--activations int16] [--streams 1,4,8,16] [--threads N]
-        [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--out JSON]
+        [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--no-compile] [--out JSON]
 
 `--isa avx2` runs decoderlm's servers as an AVX2 machine would (`decoderlm.isa.env`) on a CPU with more.
 Writes benchmarks/results/serve_throughput.json (serve_throughput_avx2.json for --isa avx2; or --out) and
@@ -126,6 +127,7 @@ def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = 
     cmd += ["--activations", activations] if activations else []
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += ["--compile" if args.compile else "--no-compile"]
     env = os.environ if args.isa == "native" else isa.env(args.isa)
     return subprocess.Popen(cmd, cwd=REPO, env=env | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -234,6 +236,9 @@ def main() -> None:
                    help="also serve the default mode with these --activations, e.g. int16, chat's (serve's own is fp32; "
                         "a model without block layers refuses int16 and int8; default: none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="decoderlm's servers decode through their compiled step, built before the measurement where missing "
+                        "(default; what a server runs once its step is built); --no-compile: eager steps")
     p.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                    help="the CPU level decoderlm's servers run at (llama-server runs as built)")
     p.add_argument("--out", type=Path, default=None, help="the JSON to write (default: results/serve_throughput[_ISA].json)")
@@ -245,6 +250,7 @@ def main() -> None:
     servers |= {f"decoderlm auto --activations {a}": partial(start_decoderlm, activations=a) for a in args.activations}
     servers |= {"llama-server": start_llama} if args.llama_server else {}
     meta = {"machine": isa.describe(), "decoderlm_isa": isa.native() if args.isa == "native" else args.isa, "threads": args.threads,
+            "decoderlm_step": "compiled" if args.compile else "eager",
             "max_tokens": args.max_tokens, "repeats": args.repeats, "model": args.model,
             "llama_server": LLAMA_SERVER_BUILD if args.llama_server else None,
             "schedule": "interleaved level by level: for each level, each repeat runs every server in turn (run_order)"}

@@ -41,7 +41,7 @@ from decoderlm.quantize import Int4Linear
 
 MIN_BUCKET = 256
 # Code the compiled graph is made of: editing any of it must not reuse an old package.
-SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py", "kernels")
+SOURCES = ("model", "kv_cache.py", "quantize.py", "compiled.py", "kernels", "serve/compiled_step.py", "serve/paged_cache.py")
 
 
 def cache_dir() -> Path:
@@ -85,6 +85,25 @@ def building(path: Path) -> bool:
     return True
 
 
+def build_later(path: Path, flags: list[str], what: str) -> None:
+    """Start `decoderlm compile` with `flags` in the background (nice 19, its own session: it outlives this
+    process) to build the package `path` for later, unless it is being built, failed before, or
+    DECODERLM_BACKGROUND_COMPILE is off; one line on stderr says so."""
+    if os.environ.get("DECODERLM_BACKGROUND_COMPILE", "on").lower() in ("0", "off", "no"):
+        return
+    if path.with_suffix(".failed").is_file() or building(path):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.with_suffix(".log")
+    command = [sys.executable, "-m", "decoderlm", "compile", *flags, "--threads", str(torch.get_num_threads())]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, preexec_fn=lambda: os.nice(19))
+    path.with_suffix(".building").write_text(str(process.pid))
+    print(f"decoding eagerly; building {what} in the background (once for this model and machine; log: {log})",
+          file=sys.stderr, flush=True)
+
+
 class DecodeStep(nn.Module):
     """What is exported: (token (B, 1), pos ()) → logits (B, V), writing k/v into the cache in place.
     The cache buffers are registered here, so the package sees them as mutable constants."""
@@ -104,20 +123,21 @@ class DecodeStep(nn.Module):
         return self.model(token, cache=self.view, logits_to_keep=1).logits[:, -1]
 
 
-def cache_key(model: Transformer, max_len: int) -> str:
+def cache_key(model: Transformer, shape: int | str) -> str:
     """A name for the package: it changes with the model's structure, weights, dtype and quantization,
-    the cache size, decoderlm's model code, the torch version, the CPU and the thread count.
+    the cache's shape (`shape`: its size, or a description of a server's pool), decoderlm's model code,
+    the torch version, the CPU and the thread count.
 
     The weights enter through their names, shapes, dtypes and a strided sample of their values (hashing
     every byte would add seconds to each start); the package reads the weights at run time anyway."""
     h = hashlib.sha256()
     root = Path(decoderlm.__file__).parent
     for name in SOURCES:
-        for path in sorted(p for p in (root / name).rglob("*") if p.suffix in (".py", ".c")) if (root / name).is_dir() else [root / name]:
+        for path in sorted(p for p in (root / name).rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h")) if (root / name).is_dir() else [root / name]:
             h.update(path.read_bytes())
     # Inductor writes the thread count into its CPU kernels, so --threads picks a package too.
     h.update(f"{torch.__version__} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} "
-             f"threads {torch.get_num_threads()} slots {max_len}".encode())
+             f"threads {torch.get_num_threads()} slots {shape}".encode())
     h.update(repr(model).encode())
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
@@ -201,22 +221,9 @@ class CompiledDecoder:
         return runner
 
     def _build_later(self, size: int, path: Path) -> None:
-        """Start `decoderlm compile` for this model and cache size in the background, unless it is running,
-        failed before, cannot compile, or DECODERLM_BACKGROUND_COMPILE is off."""
-        if os.environ.get("DECODERLM_BACKGROUND_COMPILE", "on").lower() in ("0", "off", "no"):
-            return
-        if not_compilable(self.model) or path.with_suffix(".failed").is_file() or building(path):
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = path.with_suffix(".log")
-        command = [sys.executable, "-m", "decoderlm", "compile", *self.background, "--tokens", str(size),
-                   "--threads", str(torch.get_num_threads())]
-        with log.open("w") as out:  # its own session: it outlives this process, and ^C here does not stop it
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=lambda: os.nice(19))
-        path.with_suffix(".building").write_text(str(process.pid))
-        print(f"decoding eagerly; building the compiled decode step in the background for later runs "
-              f"(once for this model and machine; log: {log})", file=sys.stderr, flush=True)
+        """Start `decoderlm compile` for this model and cache size in the background (`build_later`)."""
+        if not not_compilable(self.model):
+            build_later(path, [*self.background, "--tokens", str(size)], "the compiled decode step")
 
     def _compile(self, step: DecodeStep, path: Path) -> None:
         """Export the step for one token and build its package."""

@@ -21,7 +21,7 @@ def test_servers_take_turns_within_each_level_and_every_repeat_is_reported(tmp_p
     model = tmp_path / "tiny"
     make_hf_model("llama", model)
     out = tmp_path / "serve.json"
-    proc = subprocess.run([sys.executable, "benchmarks/serve_throughput.py", "--model", str(model), "--quantize", "none", "--streams", "1,2",
+    proc = subprocess.run([sys.executable, "benchmarks/serve_throughput.py", "--model", str(model), "--quantize", "none", "--no-compile", "--streams", "1,2",
                            "--repeats", "2", "--max-tokens", "4", "--threads", "1", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -58,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=compiled.MIN_BUCKET,
                    help="the longest prompt + reply the step serves; one step is built per power of two from "
                         f"{compiled.MIN_BUCKET} (generate and chat pick theirs)")
+    p.add_argument("--server", action="store_true",
+                   help="build `decoderlm serve`'s batched step instead, for the server's --max-batch and --kv-cache-memory")
+    p.add_argument("--max-batch", type=int, default=16, help="with --server: the server's --max-batch")
+    p.add_argument("--kv-cache-memory", default=None, help="with --server: the server's --kv-cache-memory")
     add_model_flags(p, quantize="auto")
     p.set_defaults(func=cmd_compile)
 
@@ -123,12 +127,29 @@ def sample_start(tok) -> list[int]:
 def cmd_compile(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise DecoderLMError(f"--tokens must be a positive integer, got {args.tokens}")
+    if args.server:
+        return compile_server_step(args)
     model, _ = load_model(args, text=False)
     decoder = compiled.CompiledDecoder(model)
     if decoder.new_cache(args.tokens) is None:
         return 1  # it said why on stderr
     print(f"compiled decode step ready for up to {compiled.bucket(args.tokens, model.config.max_seq_len)} tokens "
           f"({'built' if decoder.compiles else 'built earlier'}; cached in {compiled.cache_dir()})")
+    return 0
+
+
+def compile_server_step(args: argparse.Namespace) -> int:
+    from decoderlm.cli.serve import parse_size
+    from decoderlm.serve import Engine
+
+    if args.max_batch < 1:
+        raise DecoderLMError(f"--max-batch must be a positive integer, got {args.max_batch}")
+    memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
+    model, _ = load_model(args, text=False)
+    engine = Engine(model, max_batch=args.max_batch, kv_cache_memory=memory, compile=True)
+    if not engine.compiled.ready():
+        return 1  # it said why on stderr
+    print(f"compiled server step ready for batches of up to {args.max_batch} (cached in {compiled.cache_dir()})")
     return 0
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from decoderlm.cli.common import add_model_flags, add_model_source, load_model, model_source
+from decoderlm import compiled
+from decoderlm.cli.common import add_model_flags, add_model_source, compile_flags, load_model, model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
 from decoderlm.tools.parsers import FORMATS
@@ -37,7 +38,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grammar-timeout", type=float, default=None,
                    help="seconds a request's JSON schema or tool grammar may take to compile before it is refused with a 400 (default: 5)")
     add_model_flags(p, quantize="auto", activations="fp32")
+    add_compile_flag(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps through the compiled server step, built now if missing (once per model, pool and machine: "
+                        "about a minute; cached in $DECODERLM_CACHE or ~/.cache/decoderlm; eager if compiling fails). Default: a "
+                        "step built earlier is used; without one, the server decodes eagerly while `decoderlm compile --server` "
+                        "builds it in the background, and switches to it when it is ready; --no-compile: always eager")
+
+
+def server_compile_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that make `decoderlm compile --server` build the step this server's engine uses."""
+    memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory is not None else []
+    return [*compile_flags(args), "--server", "--max-batch", str(args.max_batch), *memory]
 
 
 def parse_size(text: str) -> int:
@@ -88,9 +104,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         def build() -> tuple[Engine, object]:
             model, tokenizer = load_model(args)
-            return Engine(model, max_batch=args.max_batch, kv_cache_memory=memory), tokenizer
+            return Engine(model, max_batch=args.max_batch, kv_cache_memory=memory, compile=args.compile), tokenizer
 
         engine, tokenizer = in_passing_thread(build)
+        step = engine.compiled
+        if args.compile is None and step is not None and step.reason is None and not step.ready():
+            compiled.build_later(step.path, server_compile_flags(args), "the compiled server step")
         model = engine.model
         folder = names.resolve(model_source(args))
         processor = ImageProcessor.from_folder(folder) if folder.is_dir() else ImageProcessor()

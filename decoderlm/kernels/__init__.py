@@ -204,6 +204,7 @@ torch.library.define("decoderlm::block_matmul", "(Tensor x, Tensor q, Tensor d, 
 torch.library.define("decoderlm::block_matmul_int8x", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
 torch.library.define("decoderlm::block_matmul_int16x", "(Tensor x, Tensor q, Tensor d, Tensor? m) -> Tensor")
 torch.library.define("decoderlm::block_dequantize", "(Tensor q, Tensor d, Tensor? m) -> Tensor")
+torch.library.define("decoderlm::attend_paged", "(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, float scale, int block_size) -> Tensor")
 
 
 @torch.library.register_fake("decoderlm::block_matmul")
@@ -216,3 +217,8 @@ def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None)
 @torch.library.register_fake("decoderlm::block_dequantize")
 def _(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return d.new_empty(q.shape[0], d.shape[1] * 32, dtype=torch.float32)
+
+
+@torch.library.register_fake("decoderlm::attend_paged")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])

@@ -77,7 +77,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)
-        if T == 1 and self.one_query_kernel(q, k, mask):  # a decode step on the CPU
+        if T == 1 and self.one_query_kernel(q, k, mask, cache):  # a decode step on the CPU
             scale = self.scale or self.head_dim ** -0.5
             if (paged := getattr(cache, "attend_one", None)) is not None:  # the pool's blocks, where they are
                 y = paged(self.layer, q, k, v, mask, scale)
@@ -116,12 +116,14 @@ class Attention(nn.Module):
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def one_query_kernel(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    def one_query_kernel(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None = None) -> bool:
         """Whether this one-query step runs on decoderlm's attention kernel (`kernels.attend_one`): in fp32
-        on the CPU, outside autograd and compiled graphs, with SDPA's own options. Its sums run in one
-        order per row, so a sequence gets the same bits alone, in a batch, from any cache."""
+        on the CPU, outside autograd, with SDPA's own options, and outside compiled graphs unless the cache
+        calls the kernel as an operator (the server's compiled step). Its sums run in one order per row, so
+        a sequence gets the same bits alone, in a batch, from any cache."""
         return (q.dtype == k.dtype == torch.float32 and q.device.type == "cpu" and self.softcap is None and self.sinks is None
-                and not (torch.is_grad_enabled() and q.requires_grad) and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and q.requires_grad)
+                and (not torch.compiler.is_compiling() or getattr(cache, "traceable", False))
                 and (mask is None or (mask.dtype == torch.float32 and mask.shape[1] == mask.shape[2] == 1)) and kernels.available())
 
     def probabilities(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:

@@ -26,7 +26,8 @@ from decoderlm.model.vision import ImageEmbeds, Images
 from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear, reading_prompt
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
 from decoderlm.serve.images import PromptImages
-from decoderlm.serve.paged_cache import BlockPool, PagedCache
+from decoderlm.serve.compiled_step import CompiledPagedStep
+from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache
 from decoderlm.serve.scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,15 @@ class RequestStream:
 class Engine:
     """Continuous batching over a paged KV cache. kv_cache_memory (bytes) or num_blocks sizes the
     pool; by default it holds max_batch full contexts, up to 1 GiB. The model must stay in eval mode
-    and is used by the engine thread only."""
+    and is used by the engine thread only.
+
+    compile: decode steps through the compiled server step (`decoderlm.serve.compiled_step`): True builds
+    it now if it is missing (about a minute, once per model, pool and machine); None uses it once its
+    package exists (built earlier, or by a background `decoderlm compile --server` while this engine
+    serves eagerly); False never. Prompt chunks always run eagerly."""
 
     def __init__(self, model: Transformer, max_batch: int = 16, kv_cache_memory: int | None = None, num_blocks: int | None = None,
-                 block_size: int = 16, prefill_chunk: int = 256, prefix_caching: bool = True) -> None:
+                 block_size: int = 16, prefill_chunk: int = 256, prefix_caching: bool = True, compile: bool | None = False) -> None:
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("prefill_chunk", prefill_chunk)):
             if value < 1:
                 raise DecoderLMError(f"{name} must be >= 1, got {value}")
@@ -155,6 +161,9 @@ class Engine:
         self._gauges: dict[str, int] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.compiled = None if compile is False else CompiledPagedStep(model, self.pool, max_batch, self.max_len)
+        if compile:
+            self.compiled.build()
         self._publish()
 
     # ---- the caller's side (any thread) ----
@@ -252,7 +261,8 @@ class Engine:
         rows: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
-            logits.append(self._forward([(seq, 1) for seq in plan.decode]))
+            compiled = self.compiled is not None and self.compiled.ready() and all(seq.images is None for seq in plan.decode)
+            logits.append(self._compiled_decode(plan.decode) if compiled else self._forward([(seq, 1) for seq in plan.decode]))
             rows += plan.decode
         # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
         for group in ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]):
@@ -277,6 +287,20 @@ class Engine:
         logits = self.model(torch.tensor(ids, device=self.device), cache=cache, logits_to_keep=1, **inputs).logits[:, -1]  # (B, V)
         for seq, n in chunks:
             self.scheduler.computed(seq, n)
+        return logits
+
+    def _compiled_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step through the compiled step: each row's next logits (B, V)."""
+        bs, width = self.pool.block_size, self.compiled.width
+        positions = [seq.num_computed for seq in seqs]
+        tables = [seq.block_tables[0] for seq in seqs]  # the compiled step's models have one layer group
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
+        table = torch.tensor([t[:width] + [NULL_BLOCK] * (width - len(t[:width])) for t in tables])  # (B, W)
+        ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+        logits = self.compiled(torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], torch.tensor(slots), table,
+                               torch.tensor(positions) + 1)
+        for seq in seqs:
+            self.scheduler.computed(seq, 1)
         return logits
 
     def _image_inputs(self, chunks: list[tuple[Sequence, int]], T: int) -> dict:

@@ -1,0 +1,121 @@
+"""The server's compiled decode step (`decoderlm.serve.compiled_step`): built once by `decoderlm compile
+--server` in another process, found by the engine, giving the eager step's tokens, and each row's logits
+independent of its company. The module builds one package, for the embedded model as `decoderlm serve`
+loads it (about a minute)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import decoderlm
+from decoderlm.cli import build_parser
+from decoderlm.cli.serve import parse_size, server_compile_flags
+from decoderlm.sampling import SamplingParams
+from decoderlm.serve import Engine
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY = "32MiB"  # ~700 tokens of SmolLM2's KV: the pool the package is built for
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 =", "List three colors:", "Who wrote Hamlet?"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The embedded model as `decoderlm serve` loads it (default quantization, fp32 activations)."""
+    return decoderlm.load("smollm2-135m-instruct", quantize="auto", activations="fp32")
+
+
+@pytest.fixture(scope="module")
+def built(smol) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "decoderlm", "compile", "--server", "--model", "smollm2-135m-instruct", "--quantize", "auto",
+            "--activations", "fp32", "--max-batch", "4", "--kv-cache-memory", MEMORY, "--threads", str(torch.get_num_threads())]
+    result = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "compiled server step ready" in result.stdout, result.stderr
+    return result
+
+
+def engine(model, compile: bool | None) -> Engine:
+    return Engine(model, max_batch=4, kv_cache_memory=parse_size(MEMORY), compile=compile)
+
+
+class Counting:
+    """A loaded package that counts its runs."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.runs = runner, 0
+
+    def boxed_run(self, inputs):
+        self.runs += 1
+        return self.runner.boxed_run(inputs)
+
+
+def serve(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[tuple[int, float, list]]]:
+    """Each request's (token, logprob, top logprobs) in order, all submitted at once and run to the end."""
+    streams = [eng.add_request(p, params, logprobs=3) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    return [[(o.token_id, o.logprob, o.top_logprobs) for o in s if o.token_id is not None] for s in streams]
+
+
+def chats(tok) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) for t in CHATS]
+
+
+def test_compiled_steps_give_the_eager_steps_tokens(smol, built):
+    """Five chats through a batch of at most 4 (the fifth joins when one ends): the compiled engine, which
+    finds the package the CLI built, gives every request the eager engine's greedy tokens, with logprobs
+    within 1e-4 of the eager step's."""
+    model, tok = smol
+    compiled_engine = engine(model, None)
+    assert compiled_engine.compiled.ready(), compiled_engine.compiled.reason
+    compiled_engine.compiled.runner = counter = Counting(compiled_engine.compiled.runner)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    prompts = chats(tok)
+    prompts[2] = prompts[2][:-1]  # lengths differ
+    got = serve(compiled_engine, prompts, params)
+    want = serve(engine(model, False), prompts, params)
+    assert counter.runs >= 16  # the decode steps ran compiled (the first token of each reply comes from its prompt)
+    assert [[t for t, _, _ in row] for row in got] == [[t for t, _, _ in row] for row in want]
+    for g_row, w_row in zip(got, want):
+        for (_, g_lp, g_top), (_, w_lp, w_top) in zip(g_row, w_row):
+            assert abs(g_lp - w_lp) < 1e-4 and [i for i, _ in g_top] == [i for i, _ in w_top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g_top, w_top)) < 1e-4
+
+
+def test_a_rows_logits_do_not_depend_on_its_company(smol, built):
+    """The same request alone and beside three others of other lengths: the same logprobs, bit for bit."""
+    model, tok = smol
+    prompts = chats(tok)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    alone = serve(engine(model, None), prompts[:1], params)[0]
+    crowd = serve(engine(model, None), [prompts[1], prompts[0], prompts[3], prompts[4]], params)[1]
+    assert alone == crowd
+
+
+def test_models_the_step_does_not_cover_decode_eagerly():
+    windowed = tiny_model(vocab_size=64, sliding_window=8)
+    eng = Engine(windowed, max_batch=2, num_blocks=16, compile=True)  # asked to build: says why not, serves eagerly
+    assert not eng.compiled.ready() and "windows" in eng.compiled.reason
+    stream = eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4))
+    while eng.has_work():
+        eng.step()
+    assert len([o for o in stream if o.token_id is not None]) == 4
+    half = tiny_model(vocab_size=64).to(torch.bfloat16)
+    assert "fp32" in Engine(half, max_batch=2, num_blocks=16, compile=None).compiled.reason
+
+
+def test_serve_starts_the_background_build_of_its_own_step():
+    """`decoderlm serve`'s flags become `decoderlm compile --server` flags that load the same model and pool."""
+    parser = build_parser()
+    serve_args = parser.parse_args(["serve", "--model", "smollm2-135m-instruct", "--max-batch", "6", "--kv-cache-memory", "64MiB",
+                                    "--quantize", "int8"])
+    compile_args = parser.parse_args(["compile", *server_compile_flags(serve_args)])
+    for name in ("model", "quantize", "activations", "dtype", "device", "max_batch", "kv_cache_memory"):
+        assert getattr(compile_args, name) == getattr(serve_args, name), name
+    assert compile_args.server and serve_args.activations == "fp32"
