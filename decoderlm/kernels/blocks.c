@@ -13,6 +13,7 @@
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NV (32 / VL)   /* vectors per block */
@@ -126,6 +127,44 @@ static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_
         for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
 }
 
+/* The same sums as TILE(KIND, MRC, NR), with the NR outputs' weights read from w (NR, K), unpacked once by
+ * the caller for every group of rows: each (row, output) gets the same operations in the same order. */
+#define TILE_UNPACKED(MRC)                                                                                \
+static inline void CAT(tile_unpacked_##MRC, NAME)(const float *x, int64_t K, const float *w, int64_t n0,  \
+        float *y, int64_t N) {                                                                            \
+    vf acc[MRC][NR];                                                                                      \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NR; n++) acc[r][n] = (vf){0};                                                 \
+    for (int64_t b = 0; b < K / 32; b++) {                                                                \
+        vf wv[NR][NV];                                                                                    \
+        for (int n = 0; n < NR; n++)                                                                      \
+            for (int i = 0; i < NV; i++) wv[n][i] = loadf(w + n * K + b * 32 + i * VL);                   \
+        for (int r = 0; r < MRC; r++) {                                                                   \
+            vf xv[NV];                                                                                    \
+            for (int i = 0; i < NV; i++) xv[i] = loadf(x + r * K + b * 32 + i * VL);                      \
+            for (int n = 0; n < NR; n++)                                                                  \
+                for (int i = 0; i < NV; i++) acc[r][n] = fmadd(wv[n][i], xv[i], acc[r][n]);               \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NR; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                 \
+}
+TILE_UNPACKED(1) TILE_UNPACKED(2) TILE_UNPACKED(3) TILE_UNPACKED(4)
+
+/* Outputs [n0, n0 + NR) for all M rows of x from their weights unpacked into w (NR, K). */
+static void CAT(columns_unpacked, NAME)(const float *x, int64_t M, int64_t K, const float *w, int64_t n0, float *y, int64_t N) {
+    for (int64_t r = 0; r < M; r += MR) {
+        const float *xr = x + r * K;
+        float *yr = y + r * N;
+        switch (M - r < MR ? (int)(M - r) : MR) {
+        case 1: CAT(tile_unpacked_1, NAME)(xr, K, w, n0, yr, N); break;
+        case 2: CAT(tile_unpacked_2, NAME)(xr, K, w, n0, yr, N); break;
+        case 3: CAT(tile_unpacked_3, NAME)(xr, K, w, n0, yr, N); break;
+        default: CAT(tile_unpacked_4, NAME)(xr, K, w, n0, yr, N); break;
+        }
+    }
+}
+
 /* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
 #define COLUMNS(KIND, NRC)                                                                                \
 TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)                               \
@@ -144,17 +183,31 @@ static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t
 }
 
 /* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
- * tile one output at a time: the same operations per output either way). */
+ * tile one output at a time: the same operations per output either way). Up to MR rows, each tile's
+ * blocks are unpacked in registers; with more, once into a buffer that every group of MR rows reads. */
 #define MATMUL(KIND)                                                                                      \
 COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                          \
 void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
                              const _Float16 *m, int64_t N, float *y) {                                   \
     const int64_t tiles = N / NR;                                                                         \
-    _Pragma("omp parallel for schedule(static)")                                                          \
-    for (int64_t t = 0; t <= tiles; t++) {                                                                \
-        if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                             \
-        if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);                   \
-        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
+    _Pragma("omp parallel")                                                                               \
+    {                                                                                                     \
+        float *w = M > MR ? malloc(NR * K * sizeof(float)) : NULL;  /* this thread's unpacked tile */     \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t t = 0; t <= tiles; t++) {                                                            \
+            if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                         \
+            if (t < tiles && w) {                                                                         \
+                for (int n = 0; n < NR; n++)                                                              \
+                    for (int64_t b = 0; b < K / 32; b++) {                                                \
+                        vf v[NV];                                                                         \
+                        weights_##KIND(q, d, m, t * NR + n, b, K, v);                                     \
+                        memcpy(w + n * K + b * 32, v, sizeof v);                                          \
+                    }                                                                                     \
+                CAT(columns_unpacked, NAME)(x, M, K, w, t * NR, y, N);                                    \
+            } else if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);          \
+            else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
+        }                                                                                                 \
+        free(w);                                                                                          \
     }                                                                                                     \
 }
 
