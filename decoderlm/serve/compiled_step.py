@@ -123,6 +123,7 @@ class CompiledPagedStep:
                 state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
                 runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
                 self.runner = runner
+                print(f"decode steps run through the compiled server step ({self.path.name})", file=sys.stderr, flush=True)
             except Exception as e:  # noqa: BLE001 — the eager step stays
                 self.reason = compiled.one_line(e)
                 print(f"compiled server step unavailable ({self.reason}); decoding eagerly", file=sys.stderr, flush=True)
