@@ -119,3 +119,16 @@ def test_serve_starts_the_background_build_of_its_own_step():
     for name in ("model", "quantize", "activations", "dtype", "device", "max_batch", "kv_cache_memory"):
         assert getattr(compile_args, name) == getattr(serve_args, name), name
     assert compile_args.server and serve_args.activations == "fp32"
+
+
+def test_a_one_row_server_compiles_its_step_too():
+    """--max-batch 1 (a batch dimension of one size only): a static step, the eager step's tokens."""
+    model = tiny_model(vocab_size=64)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    one_row = Engine(model, max_batch=1, num_blocks=16, compile=True)
+    assert one_row.compiled.ready(), one_row.compiled.reason
+    one_row.compiled.runner = counter = Counting(one_row.compiled.runner)
+    got = serve(one_row, [[1, 2, 3], [4, 5]], params)
+    assert counter.runs == 2 * 7  # every decode step (each reply's first token comes from its prompt)
+    want = serve(Engine(model, max_batch=1, num_blocks=16, compile=False), [[1, 2, 3], [4, 5]], params)
+    assert [[t for t, _, _ in row] for row in got] == [[t for t, _, _ in row] for row in want]

@@ -152,8 +152,10 @@ class CompiledPagedStep:
         B = min(2, self.max_batch)  # an example of more than one row, so the batch stays a dimension
         example = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, dtype=torch.long),
                    torch.zeros(B, self.width, dtype=torch.long), torch.ones(B, dtype=torch.long))
-        batch = torch.export.Dim("batch", min=1, max=self.max_batch)
-        dynamic = ({0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch})
+        dynamic = None  # max_batch 1: one row, a static shape
+        if self.max_batch > 1:
+            batch = torch.export.Dim("batch", min=1, max=self.max_batch)
+            dynamic = ({0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch})
         with torch.inference_mode(False), torch.no_grad():
             program = torch.export.export(PagedStep(self.model, self.pool), example, dynamic_shapes=dynamic)
             self.path.parent.mkdir(parents=True, exist_ok=True)

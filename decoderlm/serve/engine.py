@@ -261,7 +261,7 @@ class Engine:
         rows: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
-            compiled = self.compiled is not None and self.compiled.ready() and all(seq.images is None for seq in plan.decode)
+            compiled = self.compiled is not None and self.compiled.ready()  # never for a model with images (`unsupported`)
             logits.append(self._compiled_decode(plan.decode) if compiled else self._forward([(seq, 1) for seq in plan.decode]))
             rows += plan.decode
         # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
