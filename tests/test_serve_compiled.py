@@ -132,3 +132,25 @@ def test_a_one_row_server_compiles_its_step_too():
     assert counter.runs == 2 * 7  # every decode step (each reply's first token comes from its prompt)
     want = serve(Engine(model, max_batch=1, num_blocks=16, compile=False), [[1, 2, 3], [4, 5]], params)
     assert [[t for t, _, _ in row] for row in got] == [[t for t, _, _ in row] for row in want]
+
+
+def test_a_failed_build_serves_eagerly_and_is_not_retried(tmp_path, monkeypatch):
+    """A build that fails (here: export itself) leaves the engine eager with the reason, in a cache folder
+    that did not exist yet, and a later engine does not try again until the marker is deleted."""
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path / "new"))
+    calls = []
+
+    def failing_export(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("export failed here")
+
+    monkeypatch.setattr(torch.export, "export", failing_export)
+    model = tiny_model(vocab_size=64)
+    first = Engine(model, max_batch=2, num_blocks=16, compile=True)
+    assert not first.compiled.ready() and "export failed here" in first.compiled.reason
+    second = Engine(model, max_batch=2, num_blocks=16, compile=True)
+    assert "earlier" in second.compiled.reason and len(calls) == 1
+    stream = second.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=3))
+    while second.has_work():
+        second.step()
+    assert [o.token_id for o in stream][-1] is not None

@@ -138,6 +138,7 @@ class CompiledPagedStep:
                 self._compile()
             except Exception as e:  # noqa: BLE001 — the eager step stays
                 self.reason = compiled.one_line(e)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.path.with_suffix(".failed").write_text(self.reason)
                 print(f"compiled server step unavailable ({self.reason}); decoding eagerly", file=sys.stderr, flush=True)
         return self.ready()
