@@ -105,6 +105,13 @@ static inline void weights_q8(const void *q, const _Float16 *d, const _Float16 *
     for (int i = 0; i < NV; i++) w[i] = w[i] * scale;
 }
 
+/* Weights unpacked already: row n of the fp32 (rows, K) buffer q, read instead of unpacked again. */
+static inline void weights_f32(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
+                               int64_t K, vf w[NV]) {
+    (void)d, (void)m;
+    for (int i = 0; i < NV; i++) w[i] = loadf((const float *)q + n * K + b * 32 + i * VL);
+}
+
 /* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and y start at the tile's first row). Every size is a
  * compile-time constant, so the weights and the sums stay in registers. */
 #define TILE(KIND, MRC, NRC)                                                                              \
@@ -125,44 +132,6 @@ static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_
     }                                                                                                     \
     for (int r = 0; r < MRC; r++)                                                                         \
         for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
-}
-
-/* The same sums as TILE(KIND, MRC, NR), with the NR outputs' weights read from w (NR, K), unpacked once by
- * the caller for every group of rows: each (row, output) gets the same operations in the same order. */
-#define TILE_UNPACKED(MRC)                                                                                \
-static inline void CAT(tile_unpacked_##MRC, NAME)(const float *x, int64_t K, const float *w, int64_t n0,  \
-        float *y, int64_t N) {                                                                            \
-    vf acc[MRC][NR];                                                                                      \
-    for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NR; n++) acc[r][n] = (vf){0};                                                 \
-    for (int64_t b = 0; b < K / 32; b++) {                                                                \
-        vf wv[NR][NV];                                                                                    \
-        for (int n = 0; n < NR; n++)                                                                      \
-            for (int i = 0; i < NV; i++) wv[n][i] = loadf(w + n * K + b * 32 + i * VL);                   \
-        for (int r = 0; r < MRC; r++) {                                                                   \
-            vf xv[NV];                                                                                    \
-            for (int i = 0; i < NV; i++) xv[i] = loadf(x + r * K + b * 32 + i * VL);                      \
-            for (int n = 0; n < NR; n++)                                                                  \
-                for (int i = 0; i < NV; i++) acc[r][n] = fmadd(wv[n][i], xv[i], acc[r][n]);               \
-        }                                                                                                 \
-    }                                                                                                     \
-    for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NR; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                 \
-}
-TILE_UNPACKED(1) TILE_UNPACKED(2) TILE_UNPACKED(3) TILE_UNPACKED(4)
-
-/* Outputs [n0, n0 + NR) for all M rows of x from their weights unpacked into w (NR, K). */
-static void CAT(columns_unpacked, NAME)(const float *x, int64_t M, int64_t K, const float *w, int64_t n0, float *y, int64_t N) {
-    for (int64_t r = 0; r < M; r += MR) {
-        const float *xr = x + r * K;
-        float *yr = y + r * N;
-        switch (M - r < MR ? (int)(M - r) : MR) {
-        case 1: CAT(tile_unpacked_1, NAME)(xr, K, w, n0, yr, N); break;
-        case 2: CAT(tile_unpacked_2, NAME)(xr, K, w, n0, yr, N); break;
-        case 3: CAT(tile_unpacked_3, NAME)(xr, K, w, n0, yr, N); break;
-        default: CAT(tile_unpacked_4, NAME)(xr, K, w, n0, yr, N); break;
-        }
-    }
 }
 
 /* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
@@ -203,7 +172,7 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
                         weights_##KIND(q, d, m, t * NR + n, b, K, v);                                     \
                         memcpy(w + n * K + b * 32, v, sizeof v);                                          \
                     }                                                                                     \
-                CAT(columns_unpacked, NAME)(x, M, K, w, t * NR, y, N);                                    \
+                CAT(columns_f32_4, NAME)(x, M, K, w, NULL, NULL, 0, y + t * NR, N);                        \
             } else if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);          \
             else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
         }                                                                                                 \
@@ -225,6 +194,7 @@ void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float
         }                                                                                                 \
 }
 
+COLUMNS(f32, 4)  /* a tile's blocks unpacked once, for every group of MR rows (MATMUL) */
 MATMUL(q4)
 MATMUL(q8)
 DEQUANTIZE(q4)
