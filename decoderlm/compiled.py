@@ -85,6 +85,17 @@ def building(path: Path) -> bool:
     return True
 
 
+def load_package(path: Path, step: nn.Module):
+    """The package at `path`, computing with `step`'s own parameters and buffers: ours, user-managed (no
+    copy), so the weights and cache buffers an eager forward writes are the ones it reads. The rest (e.g.
+    int4 weights repacked at compile time) come from the package."""
+    # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
+    runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
+    return runner
+
+
 def build_later(path: Path, flags: list[str], what: str) -> None:
     """Start `decoderlm compile` with `flags` in the background (nice 19, its own session: it outlives this
     process) to build the package `path` for later, unless it is being built, failed before, or
@@ -206,13 +217,7 @@ class CompiledDecoder:
                     failed.parent.mkdir(parents=True, exist_ok=True)
                     failed.write_text(one_line(e))
                     raise
-            # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
-            runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            step = DecodeStep(self.model, cache)
-            state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
-            # Ours, user-managed (no copy): the weights and the cache buffers, which prefill writes eagerly.
-            # The rest (e.g. int4 weights repacked at compile time) come from the package.
-            runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
+            runner = load_package(path, DecodeStep(self.model, cache))
         except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
             print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",
                   file=sys.stderr, flush=True)

@@ -118,11 +118,7 @@ class CompiledPagedStep:
         """Whether the step can run: loaded now, if its package exists and loading it works."""
         if self.runner is None and self.reason is None and self.path.is_file():
             try:
-                runner = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
-                step = PagedStep(self.model, self.pool)
-                state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
-                runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
-                self.runner = runner
+                self.runner = compiled.load_package(self.path, PagedStep(self.model, self.pool))
                 print(f"decode steps run through the compiled server step ({self.path.name})", file=sys.stderr, flush=True)
             except Exception as e:  # noqa: BLE001 — the eager step stays
                 self.reason = compiled.one_line(e)
