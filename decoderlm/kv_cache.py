@@ -47,9 +47,10 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {end}")
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, : aligned(end)], self.v[layer][:, :, : aligned(end)]
+        keys, values = self.k[layer], self.v[layer]
+        keys.narrow(2, self.length, end - self.length).copy_(k)
+        values.narrow(2, self.length, end - self.length).copy_(v)
+        return keys.narrow(2, 0, aligned(end)), values.narrow(2, 0, aligned(end))
 
     def advance(self, n: int) -> None:
         self.length += n

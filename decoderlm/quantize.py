@@ -359,24 +359,23 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
-        args = (self.blocks, self.block_scales, self.block_offsets)
-        compiling = torch.compiler.is_compiling()
+        b = self._buffers  # one lookup for the three (a decode step calls ~120 of these layers)
+        args = (b["blocks"], b["block_scales"], b["block_offsets"])
+        rounded = self.activations if self.activations != "fp32" and not PROMPT[0] else "fp32"
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
-            y = h @ (torch.ops.decoderlm.block_dequantize(*args) if compiling else kernels.dequantize(*args)).T
-        elif self.activations != "fp32" and not PROMPT[0]:
-            if compiling:
-                op = torch.ops.decoderlm.block_matmul_int16x if self.activations == "int16" else torch.ops.decoderlm.block_matmul_int8x
-                y = op(h, *args)
-            else:  # eager decode steps: no operator lookup
-                y = kernels.matmul(h, *args, self.activations)
-            if self.exact:
-                y = rescore(y, h, self.weight_rows, None)  # the bias is added below, to every output
-        else:
-            y = torch.ops.decoderlm.block_matmul(h, *args) if compiling else kernels.matmul(h, *args)
-        y = y.view(*x.shape[:-1], -1)  # (..., out)
+            y = h @ (torch.ops.decoderlm.block_dequantize(*args) if torch.compiler.is_compiling() else kernels.dequantize(*args)).T
+            rounded = "fp32"
+        elif torch.compiler.is_compiling():
+            y = OPERATORS[rounded](h, *args)
+        else:  # eager steps: no operator lookup
+            y = kernels.matmul(h, *args, rounded)
+        if self.exact and rounded != "fp32":
+            y = rescore(y, h, self.weight_rows, None)  # the bias is added below, to every output
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], -1)  # (..., out)
         if self.bias is not None:
             y = y + self.bias
-        return y if self.exact else y.to(x.dtype)
+        return y if self.exact or x.dtype == torch.float32 else y.to(x.dtype)
 
     @property
     def out_features(self) -> int:
@@ -393,12 +392,13 @@ class BlockLinear(nn.Module):
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The fp32 weights (..., in) of output rows `ids` (...), as the kernels dequantize them."""
         flat = ids.reshape(-1)
-        m = None if self.block_offsets is None else self.block_offsets[flat]
-        args = (self.blocks[flat], self.block_scales[flat], m)
+        args = [None if t is None else t.index_select(0, flat) for t in (self.blocks, self.block_scales, self.block_offsets)]
         w = torch.ops.decoderlm.block_dequantize(*args) if torch.compiler.is_compiling() else kernels.dequantize(*args)
         return w.view(*ids.shape, -1)
 
 
+OPERATORS = {"fp32": torch.ops.decoderlm.block_matmul, "int16": torch.ops.decoderlm.block_matmul_int16x,
+             "int8": torch.ops.decoderlm.block_matmul_int8x}  # what a compiled graph calls, by the activations' rounding
 PROMPT = [False]  # inside reading_prompt(); a list, so a compiled graph guards on its value
 
 

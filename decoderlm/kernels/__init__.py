@@ -146,9 +146,20 @@ def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | 
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, q.shape[0], dtype=torch.float32)
-    name = ("q8" if m is None else "q4") + ROUNDED.get(activations, "") + "_matmul"
-    function(name)(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
+    MATMULS[m is None, activations](x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
     return y
+
+
+class _Matmuls(dict):
+    """(Q8_0?, activations) -> the matmul entry point, found once (a decode step calls ~120)."""
+
+    def __missing__(self, key: tuple[bool, str]) -> ctypes._CFuncPtr:
+        q8, activations = key
+        self[key] = fn = function(("q8" if q8 else "q4") + ROUNDED.get(activations, "") + "_matmul")
+        return fn
+
+
+MATMULS = _Matmuls()
 
 
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -181,11 +192,11 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         raise TypeError("attend_one computes in fp32: q, k, v and the mask must be float32")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if blocks is None:
-        table, W, bs, lens = None, 0, 0, torch.full((B,), k.shape[2], dtype=torch.int64)
+        table, W, bs, lens = None, 0, 0, (ctypes.c_int64 * B)(*[k.shape[2]] * B)
         ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
     else:
         table, bs, lengths = blocks
-        table, W, lens = table.contiguous(), table.shape[1], torch.tensor(lengths, dtype=torch.int64)
+        table, W, lens = table.contiguous(), table.shape[1], (ctypes.c_int64 * B)(*lengths)
         ks, vs = (k.stride(0) * bs, k.stride(0), k.stride(1)), (v.stride(0) * bs, v.stride(0), v.stride(1))
     Hkv, Dv = k.shape[1], v.shape[-1]
     y = torch.empty(B, H, 1, Dv, dtype=torch.float32)
@@ -193,7 +204,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         mask = mask.reshape(mask.shape[0], mask.shape[-1])
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     function("attend_one")(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *ks, v.data_ptr(), *vs,
-                           None if table is None else table.data_ptr(), W, bs, lens.data_ptr(),
+                           None if table is None else table.data_ptr(), W, bs, lens,
                            None if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                            B, H, Hkv, D, Dv, scale, y.data_ptr())
     return y

@@ -20,16 +20,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.on_kernel(x):  # inference on the CPU in fp32: decoderlm's kernel, a fraction of torch's dispatch
-            return kernels.rms_norm(x, self.weight, self.eps)
+        w = self.weight
+        if self.on_kernel(x, w):  # inference on the CPU in fp32: decoderlm's kernel, a fraction of torch's dispatch
+            return kernels.rms_norm(x, w, self.eps)
         if self.offset:  # offset + w would round in bf16: add in fp32
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + self.offset, self.eps).to(x.dtype)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # computes in fp32 for bf16/fp16 x, rounds once
+            return F.rms_norm(x.float(), (x.shape[-1],), w.float() + self.offset, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)  # computes in fp32 for bf16/fp16 x, rounds once
 
-    def on_kernel(self, x: torch.Tensor) -> bool:
+    def on_kernel(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """fp32 inference on the CPU outside compiled graphs, without Gemma's offset."""
-        return (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and not self.offset
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        return (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and not self.offset
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 and not torch.compiler.is_compiling() and kernels.available())
 
 
