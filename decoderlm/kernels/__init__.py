@@ -39,7 +39,7 @@ HERE = Path(__file__).parent
 # (source, its own flags): qdot.c twice, with int8 activations (x8) and with 16-bit ones in two int8 digits (x16)
 UNITS = [(HERE / "blocks.c", []), (HERE / "qdot.c", ["-DDIGITS=1"]), (HERE / "qdot.c", ["-DDIGITS=2"]), (HERE / "attention.c", []),
          (HERE / "norm.c", [])]
-OPS, HEADER = HERE / "ops.cpp", HERE / "stream.h"
+OPS, HEADERS = HERE / "ops.cpp", sorted(HERE.glob("*.h"))  # the headers the C files share
 # level -> (floats per vector, compiler flags): the instruction sets blocks.c is compiled for
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
             "default": (4, ["-msse4.1"])}
@@ -82,7 +82,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("DECODERLM_KERNELS", "on").lower() in ("0", "off", "no") or not isa.X86 or level() is None:
         return None
     recipe = repr((variants(), [(source.name, own) for source, own in UNITS], FLAGS, os.environ.get("CC"), os.environ.get("CXX"), torch.__version__, torch.__file__))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted({*(source for source, _ in UNITS), OPS, HEADER})) + recipe.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted({*(source for source, _ in UNITS), OPS, *HEADERS})) + recipe.encode()).hexdigest()[:16]
     path = cache_dir() / f"blocks-{key}.so"
     try:
         if not path.exists():

@@ -13,35 +13,9 @@
  *
  * Compiled once per instruction set with VL = floats per vector and NAME = its entry point's suffix.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define CAT_(a, b) a##_##b
-#define CAT(a, b) CAT_(a, b)
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline float hsum(vf v) {  /* a fixed order: pairwise halves, a shuffle and an add each */
-#if VL == 16
-    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-    v += __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-#elif VL == 8
-    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1});
-    v += __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0});
-#else
-    v += __builtin_shuffle(v, (vi){2, 3, 0, 1});
-    v += __builtin_shuffle(v, (vi){1, 0, 1, 0});
-#endif
-    return v[0];
-}
+#include "vec.h"
 
 static inline float dot(const float *a, const float *b, int64_t D) {
     vf acc = {0};

@@ -12,31 +12,16 @@
  * This file is compiled once per instruction set with VL = floats per vector (16: AVX-512, 8: AVX2,
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define NV (32 / VL)   /* vectors per block */
 #define NR 4   /* outputs at a time (their sums are independent chains) */
 #define MR 4   /* rows of x at a time (each unpacked block serves all of them) */
-#define CAT_(a, b) a##_##b
-#define CAT(a, b) CAT_(a, b)
 
 #include <immintrin.h>
 
 #include "stream.h"
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-
-static inline float hsum(vf v) {  /* a fixed order: pairwise halves */
-    float a[VL];
-    memcpy(a, &v, sizeof a);
-    for (int w = VL / 2; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) a[i] += a[i + w];
-    return a[0];
-}
+#include "vec.h"
 
 /* The conversions GCC does not vectorize by itself, and a·b + c rounded once where the ISA has FMA (the
  * file is compiled with -ffp-contract=off, so every other product is rounded on its own: the same code

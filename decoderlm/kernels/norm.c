@@ -5,16 +5,8 @@
  * row's result does not depend on the other rows. Compiled once per instruction set (VL, NAME).
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define CAT_(a, b) a##_##b
-#define CAT(a, b) CAT_(a, b)
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+#include "vec.h"
 
 void CAT(rms_norm, NAME)(const float *x, int64_t M, int64_t N, const float *w, float eps, float *y) {
     _Pragma("omp parallel for schedule(static) if (M * N >= 65536)")
@@ -24,11 +16,7 @@ void CAT(rms_norm, NAME)(const float *x, int64_t M, int64_t N, const float *w, f
         vf acc = {0};
         int64_t i = 0;
         for (; i + VL <= N; i += VL) acc += loadf(xr + i) * loadf(xr + i);
-        float lanes[VL];
-        memcpy(lanes, &acc, sizeof lanes);
-        for (int width = VL / 2; width > 0; width /= 2)
-            for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-        float sum = lanes[0];
+        float sum = hsum(acc);
         for (; i < N; i++) sum += xr[i] * xr[i];
         const float rstd = 1.0f / sqrtf(sum / (float)N + eps);
         for (i = 0; i + VL <= N; i += VL) storef(yr + i, loadf(xr + i) * rstd * loadf(w + i));

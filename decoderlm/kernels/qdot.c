@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "stream.h"
+#include "vec.h"
 
 #define NV (16 / VL)  /* float vectors a quad */
 #if VL == 16
@@ -38,8 +39,6 @@
 #define NR 2
 #define MR 2
 #endif
-#define CAT_(a, b) a##_##b
-#define CAT(a, b) CAT_(a, b)
 #ifndef DIGITS
 #define DIGITS 1
 #endif
@@ -53,8 +52,6 @@
 #define XBITS x8
 #endif
 
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 /* A row of x quantized, per quad: its 128 int8 values (DIGITS = 2: their high digits, then the low
  * ones), inputs 0..15 of the four blocks and then their inputs 16..31; per lane the block's dx; and
@@ -64,7 +61,6 @@ typedef struct {
     float dx[16], sx[16];
 } xquad;
 
-static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline vf tofloat(vi v) { return __builtin_convertvector(v, vf); }
 
 /* A quad's weights in lane order as integer vectors: Q4_1's nibbles (unsigned), or Q8_0's magnitudes
@@ -184,7 +180,7 @@ static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  /* no FMA below 
 #endif
 
 /* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
-static inline float hsum(const vf acc[NV]) {
+static inline float hsum_quad(const vf acc[NV]) {
     float a[16];
     memcpy(a, acc, sizeof a);
     for (int w = 8; w > 0; w /= 2)
@@ -273,7 +269,7 @@ static void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const xquad *xs, int64_t K, c
     if (B % 4 == 2) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, 2, acc);         \
     else if (B % 4) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, (int)(B % 4), acc); \
     for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum_quad(acc[r][n]);                                \
 }
 #define TILE_(KIND, MRC, NRC) TILE(KIND, MRC, NRC)  /* MR and NR expanded first */
 
