@@ -361,7 +361,7 @@ class BlockLinear(nn.Module):
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
         b = self._buffers  # one lookup for the three (a decode step calls ~120 of these layers)
         args = (b["blocks"], b["block_scales"], b["block_offsets"])
-        rounded = self.activations if self.activations != "fp32" and not PROMPT[0] else "fp32"
+        rounded = "fp32" if PROMPT[0] else self.activations
         if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
             y = h @ (torch.ops.decoderlm.block_dequantize(*args) if torch.compiler.is_compiling() else kernels.dequantize(*args)).T
             rounded = "fp32"
@@ -375,7 +375,7 @@ class BlockLinear(nn.Module):
             y = y.view(*x.shape[:-1], -1)  # (..., out)
         if self.bias is not None:
             y = y + self.bias
-        return y if self.exact or x.dtype == torch.float32 else y.to(x.dtype)
+        return y if self.exact else y.to(x.dtype)
 
     @property
     def out_features(self) -> int:

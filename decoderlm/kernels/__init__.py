@@ -146,20 +146,15 @@ def matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | 
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, q.shape[0], dtype=torch.float32)
-    MATMULS[m is None, activations](x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(), q.shape[0], y.data_ptr())
+    matmul_entry(m is None, activations)(x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
+                                          q.shape[0], y.data_ptr())
     return y
 
 
-class _Matmuls(dict):
-    """(Q8_0?, activations) -> the matmul entry point, found once (a decode step calls ~120)."""
-
-    def __missing__(self, key: tuple[bool, str]) -> ctypes._CFuncPtr:
-        q8, activations = key
-        self[key] = fn = function(("q8" if q8 else "q4") + ROUNDED.get(activations, "") + "_matmul")
-        return fn
-
-
-MATMULS = _Matmuls()
+@cache
+def matmul_entry(q8: bool, activations: str) -> ctypes._CFuncPtr:
+    """The matmul entry point for Q8_0 (or Q4_1) blocks and these activations (a decode step calls ~120)."""
+    return function(("q8" if q8 else "q4") + ROUNDED.get(activations, "") + "_matmul")
 
 
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
