@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from decoderlm import kernels
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import aligned, build_mask, causal_mask, default_positions
@@ -51,6 +52,15 @@ class KVCache:
         keys.narrow(2, self.length, end - self.length).copy_(k)
         values.narrow(2, self.length, end - self.length).copy_(v)
         return keys.narrow(2, 0, aligned(end)), values.narrow(2, 0, aligned(end))
+
+    def rope_attend_one(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+        """A decode step's attention (B, H, D) from the fused projection qkv (B, H + 2·Hkv, D) in one kernel
+        call (`kernels.rope_attend_one`): q and k rotated, k and v written after the filled slots, attention
+        over them as `update` returns them. The same numbers as apply_rope_, `update` and `kernels.attend_one`."""
+        if self.length + 1 > self.max_len:
+            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + 1}")
+        return kernels.rope_attend_one(qkv, *rope, self.k[layer], self.v[layer], self.length, mask, scale)
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -1,7 +1,8 @@
 """The kernels of a decode step's small ops on the CPU (decoderlm/kernels): one-query attention
 (attention.c), softmax attention within fp32 rounding of the exact one and, bit for bit, a row's result
 whatever shares its batch, however many masked keys follow its own and whether its keys sit in a
-contiguous cache or in a paged pool's blocks; RMSNorm (norm.c), within fp32 rounding, a row's result
+contiguous cache or in a paged pool's blocks; with RoPE and the cache write in the same call, those
+three steps' bits; RMSNorm (norm.c), within fp32 rounding, a row's result
 its own. Marked `isa`: make test runs them again at AVX2 and the plain level."""
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from hypothesis import strategies as st
 from decoderlm import kernels
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import attention
+from decoderlm.model.cache import aligned
+from decoderlm.model.fuse import fuse_projections
+from decoderlm.model.rope import apply_rope_
 from decoderlm.model.norm import RMSNorm
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not kernels.available(), reason="no C compiler here: SDPA is used")]
@@ -94,6 +98,33 @@ def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, s
         assert torch.equal(paged[b : b + 1], alone)
 
 
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 4), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.sampled_from([8, 24, 64, 128]), partial=st.booleans(),
+       per_row=st.booleans(), at=st.integers(0, 40), seed=st.integers(0, 99))
+def test_rope_the_write_and_attention_in_one_call_are_the_three_steps(B, Hkv, G, D, partial, per_row, at, seed):
+    """rope_attend_one, bit for bit: apply_rope_ on the query and key heads (all channels or the first
+    half: partial rotary; one row of angles for all or one per row), the cache's `update` at slot `at`,
+    and attend_one over the slots up to a multiple of 16; slots before `at` and after it are untouched."""
+    g = torch.Generator().manual_seed(seed)
+    H, rot, S = G * Hkv, D // 2 if partial else D, aligned(at + 1) + 16
+    qkv = torch.randn(B, H + 2 * Hkv, D, generator=g)
+    angles = torch.rand(B if per_row else 1, 1, 1, rot // 2, generator=g) * 6
+    cos, sin = angles.cos().repeat(1, 1, 1, 2), torch.cat((-angles.sin(), angles.sin()), -1)
+    k_cache, v_cache = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    mask = torch.zeros(B, 1, 1, aligned(at + 1)).masked_fill_(torch.arange(aligned(at + 1)) > at, MIN)
+
+    expected_qkv, k_expected, v_expected = qkv.clone(), k_cache.clone(), v_cache.clone()
+    apply_rope_(expected_qkv.narrow(1, 0, H + Hkv)[:, None], cos, sin)  # (B, 1, H + Hkv, D), as the layer calls it
+    q, k, v = expected_qkv[:, :, None].split((H, Hkv, Hkv), 1)  # (B, heads, 1, D)
+    k_expected[:, :, at : at + 1], v_expected[:, :, at : at + 1] = k, v
+    L = aligned(at + 1)
+    expected = kernels.attend_one(q, k_expected[:, :, :L], v_expected[:, :, :L], mask, 0.3)  # (B, H, 1, D)
+
+    y = kernels.rope_attend_one(qkv, cos, sin, k_cache, v_cache, at, mask, 0.3)
+    assert torch.equal(y, expected[:, :, 0]) and torch.equal(qkv, expected_qkv)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
 def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):
     """A model's one-token steps in inference go through the kernel (and not a training forward); with
     the kernel switched off (SDPA) the logits agree to fp32 rounding."""
@@ -118,6 +149,36 @@ def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):
     assert not calls
     monkeypatch.setattr(attention.Attention, "one_query_kernel", lambda *a: False)
     torch.testing.assert_close(on, decode(False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_fused_models_decode_steps_are_one_call_a_layer_and_the_same_bits(monkeypatch, padded):
+    """A loaded (fused) model's steps over a KVCache rotate, store and attend in one call a layer
+    (`KVCache.rope_attend_one`); without it (RoPE in torch, `update`, attend_one) the logits and the
+    cache are bit for bit the same, left-padded rows (their own positions) included."""
+    model = fuse_projections(tiny_model(n_kv_heads=2, head_dim=16, partial_rotary_factor=0.5))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    if padded:
+        attention_mask[1, :3] = 0
+    calls = []
+    real = kernels.rope_attend_one
+    monkeypatch.setattr(kernels, "rope_attend_one", lambda *a: calls.append(1) or real(*a))
+
+    def decode() -> tuple[torch.Tensor, KVCache]:
+        cache = KVCache(model.config, 2, 16)
+        with torch.inference_mode():
+            model(ids[:, :6], cache=cache, attention_mask=attention_mask[:, :6])
+            out = torch.cat([model(ids[:, j : j + 1], cache=cache, attention_mask=attention_mask[:, : j + 1]).logits for j in range(6, 9)], 1)
+        return out, cache
+
+    fused, cache = decode()
+    assert len(calls) == 3 * model.config.n_layers
+    monkeypatch.delattr(KVCache, "rope_attend_one")
+    apart, apart_cache = decode()
+    assert len(calls) == 3 * model.config.n_layers
+    assert torch.equal(fused, apart)
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, apart_cache.k + apart_cache.v))
 
 
 @settings(max_examples=30, deadline=None)

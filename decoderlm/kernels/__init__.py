@@ -105,6 +105,11 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p,
                        *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
+        fn = getattr(lib, f"rope_attend_one_{name}")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3,
+                       *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), *[ctypes.c_int64] * 2, ctypes.c_void_p,
+                       *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
+        fn.restype = None
         fn = getattr(lib, f"rms_norm_{name}")
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
     lib.use_level(list(VARIANTS).index(level()))
@@ -202,6 +207,32 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
                            None if table is None else table.data_ptr(), W, bs, lens,
                            None if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                            B, H, Hkv, D, Dv, scale, y.data_ptr())
+    return y
+
+
+def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A decode step's attention from a fused projection in one call (attention.c), fp32: rotates, in place,
+    the query and key heads of qkv (B, H + 2·Hkv, D) by cos, sin (B or 1, 1, 1, rot) as `apply_rope_` does,
+    writes the key and value heads to slot `at` of the cache's buffers k, v (B, Hkv, S, D), and attends as
+    `attend_one` over slots 0..L-1, L = mask.shape[-1] (at + 1 without a mask) → (B, H, D)."""
+    B, heads, D = qkv.shape
+    Hkv = k.shape[1]
+    if not qkv.dtype == cos.dtype == sin.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
+        raise TypeError("rope_attend_one computes in fp32: qkv, cos, sin, the cache and the mask must be float32")
+    if not (qkv.stride(2) == 1 and qkv.stride(1) == D and k.stride(-1) == v.stride(-1) == 1 and v.shape[-1] == D):
+        raise ValueError("rope_attend_one: qkv (B, heads, D) with contiguous heads, and a cache of the heads' width, its rows contiguous")
+    cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # (B or 1, rot): one row of angles per sequence
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    L = at + 1 if mask is None else mask.shape[-1]
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], L)
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    y = torch.empty(B, heads - 2 * Hkv, D, dtype=torch.float32)
+    function("rope_attend_one")(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
+                                sin.stride(0) if sin.shape[0] > 1 else 0, cos.shape[-1], k.data_ptr(), k.stride(0), k.stride(2), k.stride(1),
+                                v.data_ptr(), v.stride(0), v.stride(2), v.stride(1), at, L, None if mask is None else mask.data_ptr(),
+                                0 if mask is None or mask.shape[0] == 1 else mask.stride(0), B, heads - 2 * Hkv, Hkv, D, scale, y.data_ptr())
     return y
 
 

@@ -112,3 +112,36 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *
         free(acc);
     }
 }
+
+/* A decode step's attention from a fused projection, in one call: each row's qkv holds its H query, Hkv key
+ * and Hkv value heads of D floats. The first rot channels of every query and key head are rotated in place
+ * (RoPE: x·cos + (x2, x1)·sin, sin's first half negated, each product rounded, as `apply_rope_` computes),
+ * the key and value heads are written to the cache at slot `at`, and every row attends over slots 0..L−1
+ * (L ≥ at + 1, the slots past `at` masked) as attend_one does. cos and sin: rot floats per row, cb and sb
+ * apart (0: one row for all). */
+void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, const float *sin, int64_t cb, int64_t sb, int64_t rot,
+                                float *k, int64_t kb, int64_t ks, int64_t kh, float *v, int64_t vb, int64_t vs, int64_t vh,
+                                int64_t at, int64_t L, const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv,
+                                int64_t D, float scale, float *y) {
+    const int64_t half = rot / 2;
+    float old[rot];
+    for (int64_t b = 0; b < B; b++) {
+        float *row = qkv + b * qkvb;
+        const float *c = cos + b * cb, *s = sin + b * sb;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            float *x = row + h * D;
+            memcpy(old, x, rot * sizeof(float));
+            for (int64_t j = 0; j < rot; j++) {
+                const float straight = old[j] * c[j], swapped = old[(j + half) % rot] * s[j];
+                x[j] = straight + swapped;
+            }
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            memcpy(k + b * kb + at * ks + g * kh, row + (H + g) * D, D * sizeof(float));
+            memcpy(v + b * vb + at * vs + g * vh, row + (H + Hkv + g) * D, D * sizeof(float));
+        }
+    }
+    int64_t lens[B];
+    for (int64_t b = 0; b < B; b++) lens[b] = L;
+    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, 0, 0, 0, lens, mask, mb, B, H, Hkv, D, D, scale, y);
+}

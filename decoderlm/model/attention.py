@@ -11,7 +11,9 @@ nothing).
 
 A decode step in inference on the CPU (one new query per row, fp32) runs on decoderlm's own kernel
 (`kernels.attend_one`) instead of SDPA: one call for the whole batch, each row's sums in one fixed
-order, reading a paged cache's blocks in place.
+order, reading a paged cache's blocks in place. With a contiguous cache (`KVCache.rope_attend_one`) the
+same call also rotates q and k and writes k and v: a first run's eager step spends more time in
+Python's calls around the kernels than in attention itself.
 """
 
 from __future__ import annotations
@@ -54,12 +56,8 @@ class Attention(nn.Module):
         """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x (B, T, d_model): split into heads, normed and rotated."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.qkv_proj is not None and self.q_norm is None:  # the decode fast path: q and k rotated in one go
-            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
-            if rope is not None:
-                apply_rope_(qkv.narrow(2, 0, H + Hkv), *rope)
-            q, k, v = qkv.split((H, Hkv, Hkv), dim=2)
-            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.qkv_proj is not None and self.q_norm is None:  # q and k rotated in one go
+            return self.rotated_heads(self.qkv_proj(x).view(B, T, H + 2 * Hkv, D), rope)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split((H * D, Hkv * D, Hkv * D), dim=-1)
         else:
@@ -74,9 +72,24 @@ class Attention(nn.Module):
             apply_rope_(k, *rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
+    def rotated_heads(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of the fused projection's heads (B, T, H + 2·Hkv, D)."""
+        H, Hkv = self.n_heads, self.n_kv_heads
+        if rope is not None:
+            apply_rope_(qkv.narrow(2, 0, H + Hkv), *rope)
+        q, k, v = qkv.split((H, Hkv, Hkv), dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project_qkv(x, rope)
+        if T == 1 and rope is not None and self.qkv_proj is not None and self.q_norm is None and hasattr(cache, "rope_attend_one"):
+            qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim)  # (B, 1, H + 2·Hkv, D): q, k and v heads
+            if self.one_query_kernel(qkv, qkv, mask, cache):  # a contiguous cache's decode step: RoPE, the write and attention in one call
+                y = cache.rope_attend_one(self.layer, qkv.view(B, -1, self.head_dim), rope, mask, self.scale or self.head_dim ** -0.5)
+                return self.o_proj(y.view(B, T, -1))  # (B, H, D) → (B, 1, H·D)
+            q, k, v = self.rotated_heads(qkv, rope)
+        else:
+            q, k, v = self.project_qkv(x, rope)
         if T == 1 and self.one_query_kernel(q, k, mask, cache):  # a decode step on the CPU
             scale = self.scale or self.head_dim ** -0.5
             if (paged := getattr(cache, "attend_one", None)) is not None:  # the pool's blocks, where they are
