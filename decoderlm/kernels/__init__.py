@@ -9,7 +9,8 @@ the order of the sums, and a row's result never depends on the others. `qdot.c` 
 blocks as llama.cpp does, with x rounded to int8 per block of 32 and integer dot products: 2-3x faster
 for one row, at the price of that rounding (`matmul(..., activations="int8")`; "int16" rounds 256 times
 closer). `attention.c` attends one query per row over its cached keys (`attend_one`), read in place from
-a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order;
+a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order; for a
+contiguous cache the same call can first rotate q and k and store k and v (`rope_attend_one`);
 `norm.c` is RMSNorm (`rms_norm`): two small ops of a decode step that cost most in torch's dispatch.
 
 These files are compiled on first use with the machine's C compiler, once for each

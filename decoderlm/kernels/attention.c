@@ -11,6 +11,9 @@
  * Keys and values are found by strides: row b's key l is at k + b·kb + l·ks + g·kh, or, with a block
  * table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh.
  *
+ * rope_attend_one does a contiguous cache's whole decode step from the fused q/k/v projection: RoPE on q
+ * and k, the write of k and v, and attend_one, each as the separate steps compute it.
+ *
  * Compiled once per instruction set with VL = floats per vector and NAME = its entry point's suffix.
  */
 #include <stdlib.h>
