@@ -60,7 +60,7 @@ class KVCache:
         over them as `update` returns them. The same numbers as apply_rope_, `update` and `kernels.attend_one`."""
         if self.length + 1 > self.max_len:
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + 1}")
-        return kernels.rope_attend_one(qkv, *rope, self.k[layer], self.v[layer], self.length, mask, scale)
+        return kernels.rope_attend_one(qkv, *rope, self.k[layer], self.v[layer], [self.length] * qkv.shape[0], mask, scale)
 
     def advance(self, n: int) -> None:
         self.length += n

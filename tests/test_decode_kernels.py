@@ -120,9 +120,39 @@ def test_rope_the_write_and_attention_in_one_call_are_the_three_steps(B, Hkv, G,
     L = aligned(at + 1)
     expected = kernels.attend_one(q, k_expected[:, :, :L], v_expected[:, :, :L], mask, 0.3)  # (B, H, 1, D)
 
-    y = kernels.rope_attend_one(qkv, cos, sin, k_cache, v_cache, at, mask, 0.3)
+    y = kernels.rope_attend_one(qkv, cos, sin, k_cache, v_cache, [at] * B, mask, 0.3)
     assert torch.equal(y, expected[:, :, 0]) and torch.equal(qkv, expected_qkv)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
+def test_rope_the_write_and_attention_in_one_call_through_block_tables(lengths, bs, seed):
+    """In a paged pool, bit for bit: row b's rotated key and value land in the slot of its position
+    lengths[b] - 1 through its table, nothing else in the pool changes, and each row attends over its
+    own length as attend_one does after apply_rope_."""
+    B, Hkv, G, D = len(lengths), 2, 2, 32
+    W = -(-max(lengths) // bs)
+    blocks = list(range(1, 1 + B * W))
+    random.Random(seed).shuffle(blocks)
+    table = torch.tensor(blocks).view(B, W)
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, G * Hkv + 2 * Hkv, D, generator=g)
+    angles = torch.rand(B, 1, 1, D // 2, generator=g) * 6
+    cos, sin = angles.cos().repeat(1, 1, 1, 2), torch.cat((-angles.sin(), angles.sin()), -1)
+    pool_k, pool_v = torch.randn((1 + B * W) * bs, Hkv, D, generator=g), torch.randn((1 + B * W) * bs, Hkv, D, generator=g)
+
+    expected_qkv, k_expected, v_expected = qkv.clone(), pool_k.clone(), pool_v.clone()
+    apply_rope_(expected_qkv.narrow(1, 0, (G + 1) * Hkv)[:, None], cos, sin)
+    q, k, v = expected_qkv[:, :, None].split((G * Hkv, Hkv, Hkv), 1)  # (B, heads, 1, D)
+    for b, n in enumerate(lengths):
+        slot = table[b, (n - 1) // bs] * bs + (n - 1) % bs
+        k_expected[slot], v_expected[slot] = k[b, :, 0], v[b, :, 0]
+    expected = kernels.attend_one(q, k_expected, v_expected, None, 0.2, blocks=(table, bs, lengths))
+
+    y = kernels.rope_attend_one(qkv, cos, sin, pool_k, pool_v, [n - 1 for n in lengths], None, 0.2, blocks=(table, bs, lengths))
+    assert torch.equal(y, expected[:, :, 0]) and torch.equal(qkv, expected_qkv)
+    assert torch.equal(pool_k, k_expected) and torch.equal(pool_v, v_expected)
 
 
 def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):

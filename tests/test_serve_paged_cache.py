@@ -11,8 +11,10 @@ from conftest import configs, tiny_config, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decoderlm import kernels
 from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import KVCache
+from decoderlm.model.fuse import fuse_projections
 from decoderlm.serve.paged_cache import NULL_BLOCK, BlockPool, PagedCache, block_hash, layer_groups
 
 
@@ -86,10 +88,12 @@ def test_a_table_too_short_for_its_tokens_is_refused():
 def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, data):
     """Rows of different lengths, fed in chunks of random sizes and at different paces, through one
     PagedCache per step give the logits each row gets alone through a KVCache with the same chunks;
-    a model mixing sliding and full layers through a block table per layer group."""
+    a model mixing sliding and full layers through a block table per layer group; a fused model too."""
     if overrides["sliding_window"] and overrides["n_layers"] == 2 and data.draw(st.booleans()):
         overrides["layer_types"] = ["sliding_attention", "full_attention"]
     model = tiny_model(**overrides)
+    if data.draw(st.booleans()):  # as `decoderlm.load` gives it: one-token steps rotate, write and attend in one call
+        fuse_projections(model)
     chunks = [data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)) for _ in range(rows)]
     vocab = model.config.vocab_size
     tokens = [torch.randint(0, vocab, (sum(c),), generator=torch.Generator().manual_seed(i)).tolist() for i, c in enumerate(chunks)]
@@ -122,6 +126,35 @@ def test_paged_attention_equals_contiguous_cache(overrides, rows, block_size, da
                 alone.append(model(torch.tensor([tokens[i][start : start + n]]), cache=kv).logits[0])
                 start += n
             torch.testing.assert_close(torch.cat(paged[i]), torch.cat(alone), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here: SDPA is used")
+def test_a_fused_models_paged_decode_step_is_one_call_a_layer_and_the_same_bits(monkeypatch):
+    """Rows at different lengths, one token each, over a fused model: `PagedCache.rope_attend_one` (RoPE,
+    the write into each row's block and attention in one kernel call a layer) gives the logits and the
+    pool that RoPE in torch, `write` and attend_one give, bit for bit."""
+    model = fuse_projections(tiny_model(n_kv_heads=2))
+    lengths = [5, 12, 3]
+    calls = []
+    real = kernels.rope_attend_one
+    monkeypatch.setattr(kernels, "rope_attend_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def step() -> tuple[torch.Tensor, BlockPool]:
+        pool = BlockPool(model.config, num_blocks=12, block_size=4)
+        random.Random(0).shuffle(pool.free)
+        tables = [[[pool.allocate() for _ in range(-(-(n + 1) // 4))]] for n in lengths]
+        with torch.inference_mode():
+            for i, n in enumerate(lengths):  # each row's context, alone
+                model(torch.arange(n)[None] % 7, cache=PagedCache(pool, [tables[i]], [0], [n]))
+            ids = torch.tensor([[3], [4], [5]])
+            return model(ids, cache=PagedCache(pool, tables, lengths, [1, 1, 1])).logits, pool
+
+    fused, pool = step()
+    assert len(calls) == model.config.n_layers
+    monkeypatch.delattr(PagedCache, "rope_attend_one")
+    apart, apart_pool = step()
+    assert len(calls) == model.config.n_layers and torch.equal(fused, apart)
+    assert all(torch.equal(a, b) for a, b in zip(pool.k + pool.v, apart_pool.k + apart_pool.v))
 
 
 def test_layer_groups_cut_each_attention_kind_into_equal_groups():

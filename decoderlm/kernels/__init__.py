@@ -9,8 +9,8 @@ the order of the sums, and a row's result never depends on the others. `qdot.c` 
 blocks as llama.cpp does, with x rounded to int8 per block of 32 and integer dot products: 2-3x faster
 for one row, at the price of that rounding (`matmul(..., activations="int8")`; "int16" rounds 256 times
 closer). `attention.c` attends one query per row over its cached keys (`attend_one`), read in place from
-a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order; for a
-contiguous cache the same call can first rotate q and k and store k and v (`rope_attend_one`);
+a contiguous cache or through a paged pool's block tables, each row's sums in one fixed order, and can
+first rotate q and k and store k and v in the same call (`rope_attend_one`);
 `norm.c` is RMSNorm (`rms_norm`): two small ops of a decode step that cost most in torch's dispatch.
 
 These files are compiled on first use with the machine's C compiler, once for each
@@ -108,8 +108,8 @@ def library() -> ctypes.CDLL | None:
         fn.restype = None
         fn = getattr(lib, f"rope_attend_one_{name}")
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3,
-                       *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), *[ctypes.c_int64] * 2, ctypes.c_void_p,
-                       *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
+                       *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
         fn = getattr(lib, f"rms_norm_{name}")
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
@@ -192,31 +192,20 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if not q.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
         raise TypeError("attend_one computes in fp32: q, k, v and the mask must be float32")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if blocks is None:
-        table, W, bs, lens = None, 0, 0, (ctypes.c_int64 * B)(*[k.shape[2]] * B)
-        ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
-    else:
-        table, bs, lengths = blocks
-        table, W, lens = table.contiguous(), table.shape[1], (ctypes.c_int64 * B)(*lengths)
-        ks, vs = (k.stride(0) * bs, k.stride(0), k.stride(1)), (v.stride(0) * bs, v.stride(0), v.stride(1))
     Hkv, Dv = k.shape[1], v.shape[-1]
     y = torch.empty(B, H, 1, Dv, dtype=torch.float32)
-    if mask is not None:
-        mask = mask.reshape(mask.shape[0], mask.shape[-1])
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-    function("attend_one")(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), *ks, v.data_ptr(), *vs,
-                           None if table is None else table.data_ptr(), W, bs, lens,
-                           None if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                           B, H, Hkv, D, Dv, scale, y.data_ptr())
+    function("attend_one")(q.data_ptr(), q.stride(0), q.stride(1), *_keys(k, v, mask, blocks, [k.shape[2]] * B), B, H, Hkv, D, Dv, scale,
+                           y.data_ptr())
     return y
 
 
-def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int,
-                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int],
+                    mask: torch.Tensor | None, scale: float, blocks: tuple[torch.Tensor, int, list[int]] | None = None) -> torch.Tensor:
     """A decode step's attention from a fused projection in one call (attention.c), fp32: rotates, in place,
     the query and key heads of qkv (B, H + 2·Hkv, D) by cos, sin (B or 1, 1, 1, rot) as `apply_rope_` does,
-    writes the key and value heads to slot `at` of the cache's buffers k, v (B, Hkv, S, D), and attends as
-    `attend_one` over slots 0..L-1, L = mask.shape[-1] (at + 1 without a mask) → (B, H, D)."""
+    writes row b's key and value heads as its key positions[b], and attends as `attend_one` → (B, H, D).
+    k, v and blocks as `attend_one` takes them: a contiguous cache's buffers (B, Hkv, S, D), every row over
+    mask.shape[-1] keys, or a paged pool's slots with blocks=(table, block_size, lengths)."""
     B, heads, D = qkv.shape
     Hkv = k.shape[1]
     if not qkv.dtype == cos.dtype == sin.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
@@ -225,16 +214,32 @@ def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: 
         raise ValueError("rope_attend_one: qkv (B, heads, D) with contiguous heads, and a cache of the heads' width, its rows contiguous")
     cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # (B or 1, rot): one row of angles per sequence
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    L = at + 1 if mask is None else mask.shape[-1]
-    if mask is not None:
-        mask = mask.reshape(mask.shape[0], L)
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    keys = _keys(k, v, mask, blocks, [mask.shape[-1]] * B if mask is not None else [p + 1 for p in positions])
     y = torch.empty(B, heads - 2 * Hkv, D, dtype=torch.float32)
     function("rope_attend_one")(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
-                                sin.stride(0) if sin.shape[0] > 1 else 0, cos.shape[-1], k.data_ptr(), k.stride(0), k.stride(2), k.stride(1),
-                                v.data_ptr(), v.stride(0), v.stride(2), v.stride(1), at, L, None if mask is None else mask.data_ptr(),
-                                0 if mask is None or mask.shape[0] == 1 else mask.stride(0), B, heads - 2 * Hkv, Hkv, D, scale, y.data_ptr())
+                                sin.stride(0) if sin.shape[0] > 1 else 0, cos.shape[-1], *keys[:11], (ctypes.c_int64 * B)(*positions),
+                                *keys[11:], B, heads - 2 * Hkv, Hkv, D, scale, y.data_ptr())
     return y
+
+
+def _keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, blocks: tuple[torch.Tensor, int, list[int]] | None,
+          lengths: list[int]) -> tuple:
+    """attention.c's arguments for the keys and values: k, its row, key and head strides; v's; the block table,
+    its width and block size (None, 0, 0 for a contiguous cache); each row's key count; the mask and its row
+    stride. A contiguous cache's rows attend over `lengths`, a paged pool's over blocks' lengths."""
+    if blocks is None:
+        table, W, bs = None, 0, 0
+        ks, vs = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
+    else:
+        table, bs, lengths = blocks
+        table, W = table.contiguous(), table.shape[1]
+        ks, vs = (k.stride(0) * bs, k.stride(0), k.stride(1)), (v.stride(0) * bs, v.stride(0), v.stride(1))
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], mask.shape[-1])
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    return (k.data_ptr(), *ks, v.data_ptr(), *vs, None if table is None else table.data_ptr(), W, bs,
+            (ctypes.c_int64 * len(lengths))(*lengths), None if mask is None else mask.data_ptr(),
+            0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
 
 
 # The same kernels as operators a compiled graph can call (ops.cpp); eager code calls the functions above.

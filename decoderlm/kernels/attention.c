@@ -11,8 +11,8 @@
  * Keys and values are found by strides: row b's key l is at k + b·kb + l·ks + g·kh, or, with a block
  * table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh.
  *
- * rope_attend_one does a contiguous cache's whole decode step from the fused q/k/v projection: RoPE on q
- * and k, the write of k and v, and attend_one, each as the separate steps compute it.
+ * rope_attend_one does a decode step's attention from the fused q/k/v projection: RoPE on q and k, the
+ * write of k and v, and attend_one, each as the separate steps compute it.
  *
  * Compiled once per instruction set with VL = floats per vector and NAME = its entry point's suffix.
  */
@@ -119,13 +119,13 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *
 /* A decode step's attention from a fused projection, in one call: each row's qkv holds its H query, Hkv key
  * and Hkv value heads of D floats. The first rot channels of every query and key head are rotated in place
  * (RoPE: x·cos + (x2, x1)·sin, sin's first half negated, each product rounded, as `apply_rope_` computes),
- * the key and value heads are written to the cache at slot `at`, and every row attends over slots 0..L−1
- * (L ≥ at + 1, the slots past `at` masked) as attend_one does. cos and sin: rot floats per row, cb and sb
- * apart (0: one row for all). */
+ * row b's key and value heads are written as its key pos[b] (found as attend_one finds keys: by strides,
+ * or through the block table), and every row attends over its first lens[b] keys as attend_one does.
+ * cos and sin: rot floats per row, cb and sb apart (0: one row for all). */
 void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, const float *sin, int64_t cb, int64_t sb, int64_t rot,
                                 float *k, int64_t kb, int64_t ks, int64_t kh, float *v, int64_t vb, int64_t vs, int64_t vh,
-                                int64_t at, int64_t L, const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv,
-                                int64_t D, float scale, float *y) {
+                                const int64_t *table, int64_t W, int64_t bs, const int64_t *pos, const int64_t *lens,
+                                const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, float *y) {
     const int64_t half = rot / 2;
     float old[rot];
     for (int64_t b = 0; b < B; b++) {
@@ -139,12 +139,11 @@ void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, cons
                 x[j] = straight + swapped;
             }
         }
+        float *kd = (float *)at(k, table, W, bs, b, pos[b], kb, ks), *vd = (float *)at(v, table, W, bs, b, pos[b], vb, vs);
         for (int64_t g = 0; g < Hkv; g++) {
-            memcpy(k + b * kb + at * ks + g * kh, row + (H + g) * D, D * sizeof(float));
-            memcpy(v + b * vb + at * vs + g * vh, row + (H + Hkv + g) * D, D * sizeof(float));
+            memcpy(kd + g * kh, row + (H + g) * D, D * sizeof(float));
+            memcpy(vd + g * vh, row + (H + Hkv + g) * D, D * sizeof(float));
         }
     }
-    int64_t lens[B];
-    for (int64_t b = 0; b < B; b++) lens[b] = L;
-    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, 0, 0, 0, lens, mask, mb, B, H, Hkv, D, D, scale, y);
+    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, table, W, bs, lens, mask, mb, B, H, Hkv, D, D, scale, y);
 }

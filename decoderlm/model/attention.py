@@ -11,9 +11,9 @@ nothing).
 
 A decode step in inference on the CPU (one new query per row, fp32) runs on decoderlm's own kernel
 (`kernels.attend_one`) instead of SDPA: one call for the whole batch, each row's sums in one fixed
-order, reading a paged cache's blocks in place. With a contiguous cache (`KVCache.rope_attend_one`) the
-same call also rotates q and k and writes k and v: a first run's eager step spends more time in
-Python's calls around the kernels than in attention itself.
+order, reading a paged cache's blocks in place. From a fused projection (`rope_attend_one` of KVCache and
+of the server's PagedCache) the same call also rotates q and k and writes k and v: an eager step spends
+more time in Python's calls around the kernels than in attention itself.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if T == 1 and rope is not None and self.qkv_proj is not None and self.q_norm is None and hasattr(cache, "rope_attend_one"):
             qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim)  # (B, 1, H + 2·Hkv, D): q, k and v heads
-            if self.one_query_kernel(qkv, qkv, mask, cache):  # a contiguous cache's decode step: RoPE, the write and attention in one call
+            if self.one_query_kernel(qkv, qkv, mask, cache):  # a decode step: RoPE, the cache write and attention in one call
                 y = cache.rope_attend_one(self.layer, qkv.view(B, -1, self.head_dim), rope, mask, self.scale or self.head_dim ** -0.5)
                 return self.o_proj(y.view(B, T, -1))  # (B, H, D) → (B, 1, H·D)
             q, k, v = self.rotated_heads(qkv, rope)

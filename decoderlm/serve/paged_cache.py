@@ -247,6 +247,18 @@ class PagedCache:
         tables = self.blocks[self.pool.place[layer][0]].view(self.shape[0], -1)  # (B, W)
         return kernels.attend_one(q, pool_k, pool_v, mask, scale, blocks=(tables, self.pool.block_size, self.totals))
 
+    def rope_attend_one(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+        """A decode step's attention (B, H, D) from the fused projection qkv (B, H + 2·Hkv, D) in one kernel
+        call (`kernels.rope_attend_one`): q and k rotated, each row's k and v written at its next position in
+        its blocks, attention there. The same numbers as apply_rope_ and `attend_one`."""
+        if self.shape[1] != 1 or min(self.new_lens) != 1:
+            raise RuntimeError("rope_attend_one is a decode step's: every row adds one token")
+        g, j = self.pool.place[layer]
+        tables = self.blocks[g].view(self.shape[0], -1)  # (B, W)
+        return kernels.rope_attend_one(qkv, *rope, self.pool.k[j], self.pool.v[j], self.lengths, mask, scale,
+                                       blocks=(tables, self.pool.block_size, self.totals))
+
     def advance(self, n: int) -> None:
         """The forward is done: each row's new tokens now count as cached (see `lengths`)."""
         self.lengths = self.totals
