@@ -45,9 +45,7 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) after the filled slots; return the keys/values of every token so
         far and of the masked slots up to a multiple of 16 (B, Hkv, L, D)."""
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {end}")
+        end = self.room(k.shape[2])
         keys, values = self.k[layer], self.v[layer]
         keys.narrow(2, self.length, end - self.length).copy_(k)
         values.narrow(2, self.length, end - self.length).copy_(v)
@@ -58,9 +56,15 @@ class KVCache:
         """A decode step's attention (B, H, D) from the fused projection qkv (B, H + 2·Hkv, D) in one kernel
         call (`kernels.rope_attend_one`): q and k rotated, k and v written after the filled slots, attention
         over them as `update` returns them. The same numbers as apply_rope_, `update` and `kernels.attend_one`."""
-        if self.length + 1 > self.max_len:
-            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + 1}")
+        self.room(1)
         return kernels.rope_attend_one(qkv, *rope, self.k[layer], self.v[layer], [self.length] * qkv.shape[0], mask, scale)
+
+    def room(self, T: int) -> int:
+        """The filled length once T more tokens are written; a one-line error if the buffers cannot hold it."""
+        end = self.length + T
+        if end > self.max_len:
+            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {end}")
+        return end
 
     def advance(self, n: int) -> None:
         self.length += n

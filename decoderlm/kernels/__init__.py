@@ -107,9 +107,9 @@ def library() -> ctypes.CDLL | None:
                        *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
         fn = getattr(lib, f"rope_attend_one_{name}")
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3,
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p,
                        *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
+                       ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
         fn = getattr(lib, f"rms_norm_{name}")
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
@@ -214,11 +214,11 @@ def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: 
         raise ValueError("rope_attend_one: qkv (B, heads, D) with contiguous heads, and a cache of the heads' width, its rows contiguous")
     cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # (B or 1, rot): one row of angles per sequence
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    keys = _keys(k, v, mask, blocks, [mask.shape[-1]] * B if mask is not None else [p + 1 for p in positions])
+    lengths = [mask.shape[-1]] * B if mask is not None else [p + 1 for p in positions]
     y = torch.empty(B, heads - 2 * Hkv, D, dtype=torch.float32)
     function("rope_attend_one")(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0) if cos.shape[0] > 1 else 0,
-                                sin.stride(0) if sin.shape[0] > 1 else 0, cos.shape[-1], *keys[:11], (ctypes.c_int64 * B)(*positions),
-                                *keys[11:], B, heads - 2 * Hkv, Hkv, D, scale, y.data_ptr())
+                                sin.stride(0) if sin.shape[0] > 1 else 0, cos.shape[-1], (ctypes.c_int64 * B)(*positions),
+                                *_keys(k, v, mask, blocks, lengths), B, heads - 2 * Hkv, Hkv, D, scale, y.data_ptr())
     return y
 
 

@@ -123,8 +123,8 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *
  * or through the block table), and every row attends over its first lens[b] keys as attend_one does.
  * cos and sin: rot floats per row, cb and sb apart (0: one row for all). */
 void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, const float *sin, int64_t cb, int64_t sb, int64_t rot,
-                                float *k, int64_t kb, int64_t ks, int64_t kh, float *v, int64_t vb, int64_t vs, int64_t vh,
-                                const int64_t *table, int64_t W, int64_t bs, const int64_t *pos, const int64_t *lens,
+                                const int64_t *pos, float *k, int64_t kb, int64_t ks, int64_t kh, float *v, int64_t vb, int64_t vs,
+                                int64_t vh, const int64_t *table, int64_t W, int64_t bs, const int64_t *lens,
                                 const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, float *y) {
     const int64_t half = rot / 2;
     float old[rot];

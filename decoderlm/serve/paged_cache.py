@@ -244,8 +244,7 @@ class PagedCache:
         """A decode step's attention (B, H, 1, D) on decoderlm's kernel, which reads each row's keys and
         values in the pool's blocks through its table (no gather): k, v (B, Hkv, 1, D) are written first."""
         pool_k, pool_v = self.write(layer, k, v)
-        tables = self.blocks[self.pool.place[layer][0]].view(self.shape[0], -1)  # (B, W)
-        return kernels.attend_one(q, pool_k, pool_v, mask, scale, blocks=(tables, self.pool.block_size, self.totals))
+        return kernels.attend_one(q, pool_k, pool_v, mask, scale, blocks=self.tables(layer))
 
     def rope_attend_one(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                         scale: float) -> torch.Tensor:
@@ -254,10 +253,13 @@ class PagedCache:
         its blocks, attention there. The same numbers as apply_rope_ and `attend_one`."""
         if self.shape[1] != 1 or min(self.new_lens) != 1:
             raise RuntimeError("rope_attend_one is a decode step's: every row adds one token")
-        g, j = self.pool.place[layer]
-        tables = self.blocks[g].view(self.shape[0], -1)  # (B, W)
-        return kernels.rope_attend_one(qkv, *rope, self.pool.k[j], self.pool.v[j], self.lengths, mask, scale,
-                                       blocks=(tables, self.pool.block_size, self.totals))
+        j = self.pool.place[layer][1]
+        return kernels.rope_attend_one(qkv, *rope, self.pool.k[j], self.pool.v[j], self.lengths, mask, scale, blocks=self.tables(layer))
+
+    def tables(self, layer: int) -> tuple[torch.Tensor, int, list[int]]:
+        """How the kernels find this layer's keys: its group's block tables (B, W), the block size and each
+        row's length after this forward (`kernels.attend_one`'s blocks)."""
+        return self.blocks[self.pool.place[layer][0]].view(self.shape[0], -1), self.pool.block_size, self.totals
 
     def advance(self, n: int) -> None:
         """The forward is done: each row's new tokens now count as cached (see `lengths`)."""
