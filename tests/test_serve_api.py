@@ -21,6 +21,7 @@ from hf_models import make_hf_model
 from hypothesis import given
 from hypothesis import strategies as st
 from serve_helpers import ServerProcess, ThreadServer, metrics
+from starlette.requests import Request
 
 import decoderlm
 from decoderlm.cli.serve import in_passing_thread, parse_size
@@ -28,7 +29,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
-from decoderlm.serve.api import create_app
+from decoderlm.serve.api import create_app, until_disconnect
 from decoderlm.serve.text import StopMatcher
 
 KEY = "test-key"
@@ -526,6 +527,40 @@ def test_non_stream_client_that_leaves_aborts_its_request(url, name):
     assert after['decoderlm_sequences_finished_total{reason="abort"}'] >= 8
     assert after["decoderlm_kv_blocks_used"] == 0
 
+
+
+def test_a_hang_up_cancels_work_at_once_not_at_the_next_poll():
+    """Work that would end 0.2 s after the client left is cancelled, not finished and thrown away."""
+    async def main() -> tuple[bool, bool]:
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}  # the body was read; the client has already gone
+
+        cancelled = False
+
+        async def work() -> None:
+            nonlocal cancelled
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+
+        finished = await until_disconnect(Request({"type": "http", "headers": []}, receive), work())
+        return finished, cancelled
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_work_that_ends_while_the_client_waits_is_finished():
+    """A client that stays gets its answer: listening for the hang-up cancels nothing."""
+    async def main() -> bool:
+        async def receive() -> dict:
+            await asyncio.Event().wait()  # the client stays
+            return {"type": "http.disconnect"}
+
+        return await until_disconnect(Request({"type": "http", "headers": []}, receive), asyncio.sleep(0.01))
+
+    assert asyncio.run(main()) is True
 
 # --- the real SmolLM2-135M-Instruct ----------------------------------------------------------------------
 

@@ -96,15 +96,24 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
+async def disconnected(request: Request) -> None:
+    """Return when the client hangs up (the body is read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def until_disconnect(request: Request, work: Awaitable[None]) -> bool:
-    """Await `work`, cancelling it if the client goes away first. True if it finished."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return False
+    """Await `work`, cancelling it the moment the client goes away. True if it finished."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
     task.result()
     return True
 
