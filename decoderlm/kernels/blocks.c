@@ -15,8 +15,9 @@
 #include <stdlib.h>
 
 #define NV (32 / VL)   /* vectors per block */
-#define NR 4   /* outputs at a time (their sums are independent chains) */
-#define MR 4   /* rows of x at a time (each unpacked block serves all of them) */
+#define NR 4   /* outputs a thread takes at a time (their sums are independent chains) */
+#define MR 4   /* rows of x at most whose tiles unpack their blocks in registers, for all rows at once */
+#define MF (VL == 16 ? 4 : 3)   /* rows at a time over a tile unpacked into a buffer (more rows than MR) */
 
 #include <immintrin.h>
 
@@ -35,10 +36,6 @@ static inline void i8x32(const int8_t *p, vf *w) {
 #elif VL == 8
 static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf splat(float a) { return _mm256_set1_ps(a); }
-static inline void u8x16(__m128i v, vf *w) {
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-}
 static inline void i8x32(const int8_t *p, vf *w) {
     for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
 }
@@ -66,16 +63,25 @@ static inline void i8x32(const int8_t *p, vf *w) {
 static inline void weights_q4(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
     const uint8_t *p = (const uint8_t *)q + n * (K / 2) + b * 16;
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
     const vf scale = splat(d[n * (K / 32) + b]), offset = splat(m[n * (K / 32) + b]);
 #if VL == 16
     /* A block's weights take 16 values, q·d + m for q = 0..15: one FMA makes them all, and vpermps looks
      * each weight up by the low 4 bits of its 32-bit lane (the high nibbles shifted down first). */
     const vf table = fmadd((vf){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, scale, offset);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
     w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(raw), table);
     w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4)), table);
+#elif VL == 8
+    /* Bytes 0-7 and 8-15 widened to 32-bit lanes: their low nibbles are inputs 0-15, their high ones 16-31. */
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    const __m256i low = _mm256_set1_epi32(15);
+    w[0] = fmadd(_mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), scale, offset);
+    w[1] = fmadd(_mm256_cvtepi32_ps(_mm256_and_si256(hi, low)), scale, offset);
+    w[2] = fmadd(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), scale, offset);
+    w[3] = fmadd(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), scale, offset);
 #else
-    const __m128i low = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
     u8x16(_mm_and_si128(raw, low), w);
     u8x16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), w + NV / 2);
     for (int i = 0; i < NV; i++) w[i] = fmadd(w[i], scale, offset);
@@ -90,33 +96,29 @@ static inline void weights_q8(const void *q, const _Float16 *d, const _Float16 *
     for (int i = 0; i < NV; i++) w[i] = w[i] * scale;
 }
 
-/* Weights unpacked already: row n of the fp32 (rows, K) buffer q, read instead of unpacked again. */
-static inline void weights_f32(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
-                               int64_t K, vf w[NV]) {
-    (void)d, (void)m;
-    for (int i = 0; i < NV; i++) w[i] = loadf((const float *)q + n * K + b * 32 + i * VL);
-}
-
-/* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and y start at the tile's first row). Every size is a
- * compile-time constant, so the weights and the sums stay in registers. */
+/* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and y start at the tile's first row), each output's blocks
+ * unpacked once, NC outputs at a time: a pass's sums and one output's unpacked block stay in registers (AVX2
+ * and SSE have 16, AVX-512 32; a spilled sum costs a store and a load per product). Every size is a
+ * compile-time constant. Each sum (row, output) is one chain of products in block order, in every tile. */
 #define TILE(KIND, MRC, NRC)                                                                              \
 static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_t K, const void *q,     \
         const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
-    vf acc[MRC][NRC];                                                                                     \
-    for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) acc[r][n] = (vf){0};                                                \
-    for (int64_t b = 0; b < K / 32; b++) {                                                                \
-        vf w[NRC][NV];                                                                                    \
-        for (int n = 0; n < NRC; n++) weights_##KIND(q, d, m, n0 + n, b, K, w[n]);                        \
-        for (int r = 0; r < MRC; r++) {                                                                   \
-            vf xv[NV];                                                                                    \
-            for (int i = 0; i < NV; i++) xv[i] = loadf(x + r * K + b * 32 + i * VL);                      \
-            for (int n = 0; n < NRC; n++)                                                                 \
-                for (int i = 0; i < NV; i++) acc[r][n] = fmadd(w[n][i], xv[i], acc[r][n]);                \
-        }                                                                                                 \
+    enum { NC = VL == 8 && MRC > 2 && NRC > 1 ? NRC / 2 : NRC };  /* AVX2, 3-4 rows: 2 outputs a pass */ \
+    for (int nc = 0; nc < NRC; nc += NC) {                                                                \
+        vf acc[MRC][NC];                                                                                  \
+        for (int r = 0; r < MRC; r++)                                                                     \
+            for (int n = 0; n < NC; n++) acc[r][n] = (vf){0};                                             \
+        for (int64_t b = 0; b < K / 32; b++)                                                              \
+            for (int n = 0; n < NC; n++) {                                                                \
+                vf w[NV];                                                                                 \
+                weights_##KIND(q, d, m, n0 + nc + n, b, K, w);                                            \
+                for (int r = 0; r < MRC; r++)                                                             \
+                    for (int i = 0; i < NV; i++)                                                          \
+                        acc[r][n] = fmadd(w[i], loadf(x + r * K + b * 32 + i * VL), acc[r][n]);            \
+            }                                                                                             \
+        for (int r = 0; r < MRC; r++)                                                                     \
+            for (int n = 0; n < NC; n++) y[r * N + n0 + nc + n] = hsum(acc[r][n]);                        \
     }                                                                                                     \
-    for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(acc[r][n]);                                \
 }
 
 /* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
@@ -136,9 +138,41 @@ static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t
     }                                                                                                     \
 }
 
+/* The NR outputs of an unpacked tile w (NR, K) for rows [0, MRC) of x: each step loads the rows' x once, then
+ * one weight vector at a time (sums, x and a weight in registers: 16 at most for 3 rows, as AVX2 has). */
+#define TILE_F32(MRC)                                                                                     \
+static inline void CAT(unpacked_##MRC, NAME)(const float *x, int64_t K, const float *w, float *y, int64_t N) { \
+    vf acc[MRC][NR];                                                                                      \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NR; n++) acc[r][n] = (vf){0};                                                 \
+    for (int64_t k = 0; k < K; k += VL) {                                                                 \
+        vf xv[MRC];                                                                                       \
+        for (int r = 0; r < MRC; r++) xv[r] = loadf(x + r * K + k);                                       \
+        for (int n = 0; n < NR; n++) {                                                                    \
+            const vf wv = loadf(w + n * K + k);                                                           \
+            for (int r = 0; r < MRC; r++) acc[r][n] = fmadd(wv, xv[r], acc[r][n]);                        \
+        }                                                                                                 \
+    }                                                                                                     \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NR; n++) y[r * N + n] = hsum(acc[r][n]);                                      \
+}
+TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4)
+
+/* An unpacked tile's outputs for all M rows, MF rows at a time. */
+static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
+    for (int64_t r = 0; r < M; r += MF) {
+        switch (M - r < MF ? (int)(M - r) : MF) {
+        case 1: CAT(unpacked_1, NAME)(x + r * K, K, w, y + r * N, N); break;
+        case 2: CAT(unpacked_2, NAME)(x + r * K, K, w, y + r * N, N); break;
+        case 3: CAT(unpacked_3, NAME)(x + r * K, K, w, y + r * N, N); break;
+        default: CAT(unpacked_4, NAME)(x + r * K, K, w, y + r * N, N); break;
+        }
+    }
+}
+
 /* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
  * tile one output at a time: the same operations per output either way). Up to MR rows, each tile's
- * blocks are unpacked in registers; with more, once into a buffer that every group of MR rows reads. */
+ * blocks are unpacked in registers; with more, once into a buffer that every group of MF rows reads. */
 #define MATMUL(KIND)                                                                                      \
 COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                          \
 void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
@@ -157,7 +191,7 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
                         weights_##KIND(q, d, m, t * NR + n, b, K, v);                                     \
                         memcpy(w + n * K + b * 32, v, sizeof v);                                          \
                     }                                                                                     \
-                CAT(columns_f32_4, NAME)(x, M, K, w, NULL, NULL, 0, y + t * NR, N);                        \
+                CAT(unpacked, NAME)(x, M, K, w, y + t * NR, N);                                           \
             } else if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);          \
             else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
         }                                                                                                 \
@@ -179,7 +213,6 @@ void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float
         }                                                                                                 \
 }
 
-COLUMNS(f32, 4)  /* a tile's blocks unpacked once, for every group of MR rows (MATMUL) */
 MATMUL(q4)
 MATMUL(q8)
 DEQUANTIZE(q4)
