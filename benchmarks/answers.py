@@ -129,7 +129,7 @@ def llamacpp_replies(job: dict) -> dict:
     """llama.cpp's greedy replies to the same ids and what it ran with, or why there are none ("skipped")."""
     try:
         import llama_cpp
-    except ImportError as e:
+    except (ImportError, OSError) as e:
         return {"skipped": f"llama-cpp-python is not installed or does not import ({e}); pip install llama-cpp-python"}
     n_ctx = max(map(len, job["prompts"].values())) + AGREE_TOKENS
     t0 = time.perf_counter()

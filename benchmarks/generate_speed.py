@@ -170,7 +170,7 @@ def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
 def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
     try:
         from llama_cpp import Llama
-    except ImportError:
+    except (ImportError, OSError):
         return None
     llm = Llama(model_path=str(gguf), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
 
@@ -197,7 +197,7 @@ def llamacpp_build() -> str | None:
     LLAMA_CPP_LIB_PATH points llama-cpp-python at another build (e.g. an AVX2-only one for --isa avx2)."""
     try:
         import llama_cpp
-    except ImportError:
+    except (ImportError, OSError):
         return None
     info = llama_cpp.llama_print_system_info().decode()
     return f"{info.strip()} (from {os.environ.get('LLAMA_CPP_LIB_PATH', 'llama-cpp-python')})"
@@ -311,7 +311,7 @@ def cold_commands(gguf: Path, names: list[str], threads: int) -> dict[str, list[
     if "llama.cpp" in names:
         try:
             import llama_cpp  # noqa: F401
-        except ImportError:
+        except (ImportError, OSError):
             print("llama.cpp: llama-cpp-python is not installed or does not import — left out of the cold-start pass")
         else:
             cmds["llama.cpp"] = [sys.executable, "-c", LLAMA_CPP_COLD, str(gguf), str(threads), COLD_MESSAGE]

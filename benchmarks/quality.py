@@ -128,7 +128,7 @@ def llamacpp_predictions(gguf: Path, inputs: dict[str, list[int]], threads: int)
     """llama.cpp's predictions on the same ids, or why there are none."""
     try:
         from llama_cpp import Llama
-    except ImportError as e:
+    except (ImportError, OSError) as e:
         return f"llama-cpp-python is not installed or does not import ({e}); pip install llama-cpp-python"
     n_ctx = max(map(len, inputs.values()))
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, logits_all=True, verbose=False)

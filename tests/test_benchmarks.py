@@ -75,7 +75,7 @@ def llama_cpp_imports() -> bool:
     """Whether llama-cpp-python is installed and imports: what gives quality.py its llama.cpp column."""
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return True
 
@@ -130,7 +130,7 @@ def test_answers_are_scored_per_level_in_a_child_process_at_that_level(answers_r
         assert ("fp32_vs_native" in entry) == (level != isa.native())
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError):
         assert "not installed" in part["skipped"]["llama.cpp"]
         assert all(entry["verdict"]["agrees_as_llama_cpp"] is None for entry in part["levels"].values())
         return

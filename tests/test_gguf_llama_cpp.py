@@ -94,8 +94,8 @@ def skip_reason() -> str | None:
                 "(e.g. vendor/llama.cpp of an unpacked llama-cpp-python source release)")
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
-        return "llama-cpp-python is not installed (the runner of the converted GGUF)"
+    except (ImportError, OSError):
+        return "llama-cpp-python is not installed or does not load (the runner of the converted GGUF)"
     return None
 
 
