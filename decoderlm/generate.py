@@ -7,7 +7,8 @@ with a sliding window gets a rolling cache that never holds more than its window
 `stream` is the one decode loop (the server's engine runs the same rules over a batch). Two things
 plug into it:
 - a `Step` runs the one-token forward instead of the model's eager forward, over a cache of its own
-  (`decoderlm.compiled.CompiledDecoder`);
+  (`decoderlm.compiled.CompiledDecoder`; without one, `decoderlm.kernel_step.KernelStep` where the
+  model's layers are all on decoderlm's kernels);
 - a `Proposer` guesses the next k tokens and the model checks them all in one forward, keeping the
   longest prefix it agrees with plus one token of its own (speculative decoding; the proposers are
   in `decoderlm.speculative`). Without one, every forward checks zero guesses: plain decoding.
@@ -22,6 +23,7 @@ from typing import Protocol
 import torch
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.kernel_step import KernelStep
 from decoderlm.kv_cache import KVCache, cache_for
 from decoderlm.model import Transformer
 from decoderlm.model.cache import Cache
@@ -148,6 +150,8 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     if cache is None:  # the compiled step is unavailable: eager
         step = None
         cache = fresh_cache()
+    if step is None and proposer is None and images is None and type(cache) is KVCache:
+        step = KernelStep.of(model)  # eager steps as the kernels' calls alone, where the model's layers allow
     scaling = model.config.rope_scaling or {}
     switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
     if proposer is not None:
