@@ -133,9 +133,11 @@ static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
     }
 }
 static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
-    _Float16 b[4] = {0, 0, 0, 0};
-    if (nb < 4) memcpy(b, h, 2 * (size_t)nb), h = b;
-    const __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));
+    __m128i raw;  /* the nb values, zeros after (loaded whole: a copy to the stack first stalls each load) */
+    if (nb == 4) raw = _mm_loadl_epi64((const __m128i *)h);
+    else if (nb == 2) { int32_t two; memcpy(&two, h, 4); raw = _mm_cvtsi32_si128(two); }
+    else { _Float16 b[4] = {0, 0, 0, 0}; memcpy(b, h, 2 * (size_t)nb); raw = _mm_loadl_epi64((const __m128i *)b); }
+    const __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(raw));
     s[0] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
     s[1] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2));
 }
@@ -181,11 +183,13 @@ static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  /* no FMA below 
 
 /* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
 static inline float hsum_quad(const vf acc[NV]) {
-    float a[16];
-    memcpy(a, acc, sizeof a);
-    for (int w = 8; w > 0; w /= 2)
-        for (int i = 0; i < w; i++) a[i] += a[i + w];
-    return a[0];
+#if NV == 1
+    return hsum(acc[0]);
+#elif NV == 2
+    return hsum(acc[0] + acc[1]);  /* lanes i and i + 8 of the 16 */
+#else
+    return hsum((acc[0] + acc[2]) + (acc[1] + acc[3]));
+#endif
 }
 
 /* Row x (K) as ceil(K/128) quads (blocks past the row are 0). */
