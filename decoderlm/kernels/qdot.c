@@ -192,7 +192,23 @@ static inline float hsum_quad(const vf acc[NV]) {
 #endif
 }
 
-/* Row x (K) as ceil(K/128) quads (blocks past the row are 0). */
+/* Per lane: |v|, the larger of a and b, and v rounded to an integer as nearbyintf rounds it. */
+#if VL == 16
+static inline vf vabs(vf v) { return _mm512_abs_ps(v); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_CUR_DIRECTION); }
+#elif VL == 8
+static inline vf vabs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
+#else
+static inline vf vabs(vf v) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), v); }
+static inline vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
+#endif
+typedef int8_t vb __attribute__((vector_size(VL)));
+
+/* Row x (K) as ceil(K/128) quads (blocks past the row are 0), VL inputs at a time. */
 static void quantize_row(const float *x, int64_t K, xquad *out) {
     const int64_t B = K / 32;
     for (int64_t p = 0; p < (B + 3) / 4; p++) {
@@ -200,22 +216,30 @@ static void quantize_row(const float *x, int64_t K, xquad *out) {
         memset(o, 0, sizeof *o);
         for (int j = 0; j < 4 && 4 * p + j < B; j++) {
             const float *xb = x + (4 * p + j) * 32;
+            vf top = {0};
+            for (int i = 0; i < 32; i += VL) top = vmax(top, vabs(loadf(xb + i)));
             float amax = 0;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            for (int l = 0; l < VL; l++) amax = fmaxf(amax, top[l]);
             const float dx = amax / QMAX, inv = amax > 0 ? QMAX / amax : 0;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                const int32_t v = (int32_t)nearbyintf(xb[i] * inv), at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
+            vi sum = {0};
+            for (int i = 0; i < 32; i += VL) {
+                const vi v = __builtin_convertvector(vround(loadf(xb + i) * inv), vi);
+                const int at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
 #if DIGITS == 2
-                const int32_t hi = v >= 0 ? (v + 127) / 255 : -((127 - v) / 255);  /* nearest: 255 is odd, no ties */
-                o->q[0][at] = (int8_t)hi, o->q[1][at] = (int8_t)(v - 255 * hi);
+                /* the nearest multiple of 255: v/255 is never within 1/510 of a half, far more than its rounding */
+                const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
+                const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
+                memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
 #else
-                o->q[0][at] = (int8_t)v;
+                const vb b = __builtin_convertvector(v, vb);
+                memcpy(o->q[0] + at, &b, VL);
 #endif
                 sum += v;
             }
+            int32_t total = 0;
+            for (int l = 0; l < VL; l++) total += sum[l];
             for (int l = 0; l < 4; l++) o->dx[4 * j + l] = dx;
-            o->sx[4 * j] = dx * (float)sum;
+            o->sx[4 * j] = dx * (float)total;
         }
     }
 }
