@@ -226,7 +226,7 @@ static void quantize_row(const float *x, int64_t K, xquad *out) {
                 const vi v = __builtin_convertvector(vround(loadf(xb + i) * inv), vi);
                 const int at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
 #if DIGITS == 2
-                /* the nearest multiple of 255: v/255 is never within 1/510 of a half, far more than its rounding */
+                /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
                 const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
                 const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
                 memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
