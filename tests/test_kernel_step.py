@@ -79,18 +79,14 @@ def test_stream_decodes_through_it_with_the_forwards_tokens(monkeypatch):
         assert not calls
 
 
-def test_a_context_that_fills_keeps_the_window_rule():
+def test_a_context_that_fills_keeps_the_window_rule(monkeypatch):
     """Past max_seq_len the steps run cache-free forwards over the window (the kernel step is not used
     for them): the tokens equal the model's own forward's."""
     model = block_model(max_seq_len=16)
     params = SamplingParams(temperature=0, max_new_tokens=20)
     ours = generate(model, list(range(1, 9)), params)
-    generate_module_of = generate_module.KernelStep.of
-    try:
-        generate_module.KernelStep.of = classmethod(lambda cls, model: None)
-        assert generate(model, list(range(1, 9)), params) == ours
-    finally:
-        generate_module.KernelStep.of = generate_module_of
+    monkeypatch.setattr(generate_module.KernelStep, "of", classmethod(lambda cls, model: None))
+    assert generate(model, list(range(1, 9)), params) == ours
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -156,7 +156,10 @@ static inline void CAT(unpacked_##MRC, NAME)(const float *x, int64_t K, const fl
     for (int r = 0; r < MRC; r++)                                                                         \
         for (int n = 0; n < NR; n++) y[r * N + n] = hsum(acc[r][n]);                                      \
 }
-TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4)
+TILE_F32(1) TILE_F32(2) TILE_F32(3)
+#if MF == 4
+TILE_F32(4)
+#endif
 
 /* An unpacked tile's outputs for all M rows, MF rows at a time. */
 static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
@@ -165,7 +168,9 @@ static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const floa
         case 1: CAT(unpacked_1, NAME)(x + r * K, K, w, y + r * N, N); break;
         case 2: CAT(unpacked_2, NAME)(x + r * K, K, w, y + r * N, N); break;
         case 3: CAT(unpacked_3, NAME)(x + r * K, K, w, y + r * N, N); break;
-        default: CAT(unpacked_4, NAME)(x + r * K, K, w, y + r * N, N); break;
+#if MF == 4
+        case 4: CAT(unpacked_4, NAME)(x + r * K, K, w, y + r * N, N); break;
+#endif
         }
     }
 }

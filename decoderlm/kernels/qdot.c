@@ -173,12 +173,23 @@ static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
 }
 #endif
 
+/* Per lane: a·b + c (rounded once where the ISA has FMA), |v|, the larger of a and b, and v rounded to an
+ * integer as nearbyintf rounds it. */
 #if VL == 16
 static inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vabs(vf v) { return _mm512_abs_ps(v); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_CUR_DIRECTION); }
 #elif VL == 8
 static inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vabs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
 #else
 static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  /* no FMA below AVX2 */
+static inline vf vabs(vf v) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), v); }
+static inline vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
+static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
 #endif
 
 /* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
@@ -192,20 +203,6 @@ static inline float hsum_quad(const vf acc[NV]) {
 #endif
 }
 
-/* Per lane: |v|, the larger of a and b, and v rounded to an integer as nearbyintf rounds it. */
-#if VL == 16
-static inline vf vabs(vf v) { return _mm512_abs_ps(v); }
-static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_CUR_DIRECTION); }
-#elif VL == 8
-static inline vf vabs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
-static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
-#else
-static inline vf vabs(vf v) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), v); }
-static inline vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
-static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
-#endif
 typedef int8_t vb __attribute__((vector_size(VL)));
 
 /* Row x (K) as ceil(K/128) quads (blocks past the row are 0), VL inputs at a time. */
