@@ -5,9 +5,10 @@
  * signed bytes and a scale, w = q·d. A block is unpacked to fp32 weights exactly as the float path
  * dequantizes it (q·d rounded, then + m rounded), so each product x·w is the float path's own.
  *
- * The weights are read once per call however many rows x has: each block is unpacked once and used by
- * every row of x. Every (row, output) pair is summed by the same sequence of operations whatever the
- * number of rows, so a row's result never depends on what else is in the batch.
+ * The weights are read once per call however many rows x has: each block is unpacked once for up to 8
+ * rows of x (4 at the SSE level, where more rows share one unpacking through a buffer). Every (row,
+ * output) pair is summed by the same sequence of operations whatever the number of rows, so a row's
+ * result never depends on what else is in the batch.
  *
  * This file is compiled once per instruction set with VL = floats per vector (16: AVX-512, 8: AVX2,
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.
@@ -16,8 +17,8 @@
 
 #define NV (32 / VL)   /* vectors per block */
 #define NR 4   /* outputs a thread takes at a time (their sums are independent chains) */
-#define MR 4   /* rows of x at most whose tiles unpack their blocks in registers, for all rows at once */
-#define MF (VL == 16 ? 4 : 3)   /* rows at a time over a tile unpacked into a buffer (more rows than MR) */
+#define MR (VL == 4 ? 4 : 8)   /* rows of x at most whose tiles unpack their blocks in registers, for all rows at once */
+#define MF 3   /* SSE: rows at a time over a tile unpacked into a buffer (more rows than MR) */
 
 #include <immintrin.h>
 
@@ -57,13 +58,27 @@ static inline void i8x32(const int8_t *p, vf *w) {
 }
 #endif
 
-/* The 32 weights of block b of row n as NV float vectors, inputs in order. q·d is exact in fp32 (4 bits
+/* Row n's `count` block scales d (and offsets m, where there are) in fp32: converted once per row, each
+ * block's then splats from a load. */
+static inline void scales(const _Float16 *d, const _Float16 *m, int64_t n, int64_t count, float *ds, float *ms) {
+    d += n * count, m = m ? m + n * count : m;
+    int64_t i = 0;
+#if VL >= 8
+    for (; i + 8 <= count; i += 8) {
+        _mm256_storeu_ps(ds + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i))));
+        if (m) _mm256_storeu_ps(ms + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + i))));
+    }
+#endif
+    for (; i < count; i++) ds[i] = d[i], ms[i] = m ? (float)m[i] : 0;
+}
+
+/* The 32 weights of block b of row n as NV float vectors, inputs in order (ds, ms: the row's scales). q·d is exact in fp32 (4 bits
  * times fp16's 11), so fmadd(q, d, m) rounds once where the float path rounds q·d (exactly) and then + m:
  * the same bits. */
-static inline void weights_q4(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
+static inline void weights_q4(const void *q, const float *ds, const float *ms, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
     const uint8_t *p = (const uint8_t *)q + n * (K / 2) + b * 16;
-    const vf scale = splat(d[n * (K / 32) + b]), offset = splat(m[n * (K / 32) + b]);
+    const vf scale = splat(ds[b]), offset = splat(ms[b]);
 #if VL == 16
     /* A block's weights take 16 values, q·d + m for q = 0..15: one FMA makes them all, and vpermps looks
      * each weight up by the low 4 bits of its 32-bit lane (the high nibbles shifted down first). */
@@ -88,42 +103,82 @@ static inline void weights_q4(const void *q, const _Float16 *d, const _Float16 *
 #endif
 }
 
-static inline void weights_q8(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t b,
+static inline void weights_q8(const void *q, const float *ds, const float *ms, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
-    (void)m;
+    (void)ms;
     i8x32((const int8_t *)q + n * K + b * 32, w);
-    const vf scale = splat(d[n * (K / 32) + b]);
+    const vf scale = splat(ds[b]);
     for (int i = 0; i < NV; i++) w[i] = w[i] * scale;
 }
 
+/* Row n's K weights unpacked into w. */
+#define UNPACK(KIND)                                                                                      \
+static inline void unpack_##KIND(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t K, float *w) { \
+    float ds[K / 32], ms[K / 32];                                                                         \
+    scales(d, m, n, K / 32, ds, ms);                                                                      \
+    for (int64_t b = 0; b < K / 32; b++) {                                                                \
+        vf v[NV];                                                                                         \
+        weights_##KIND(q, ds, ms, n, b, K, v);                                                            \
+        memcpy(w + b * 32, v, sizeof v);                                                                  \
+    }                                                                                                     \
+}
+UNPACK(q4)
+UNPACK(q8)
+
 /* Outputs [n0, n0 + NRC) for rows [0, MRC) of x (x and y start at the tile's first row), each output's blocks
  * unpacked once, NC outputs at a time: a pass's sums and one output's unpacked block stay in registers (AVX2
- * and SSE have 16, AVX-512 32; a spilled sum costs a store and a load per product). Every size is a
- * compile-time constant. Each sum (row, output) is one chain of products in block order, in every tile. */
+ * and SSE have 16, AVX-512 32; a spilled sum costs a store and a load per product). The passes run over
+ * chunks of KB blocks, so the rows' x of a chunk (16 KB) stays in L1 for all NRC outputs; between chunks
+ * the sums wait in `part`. Every size is a compile-time constant. Each sum (row, output) is one chain of
+ * products in block order, in every tile. */
 #define TILE(KIND, MRC, NRC)                                                                              \
 static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_t K, const void *q,     \
         const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
-    enum { NC = VL == 8 && MRC > 2 && NRC > 1 ? NRC / 2 : NRC };  /* AVX2, 3-4 rows: 2 outputs a pass */ \
-    for (int nc = 0; nc < NRC; nc += NC) {                                                                \
-        vf acc[MRC][NC];                                                                                  \
-        for (int r = 0; r < MRC; r++)                                                                     \
-            for (int n = 0; n < NC; n++) acc[r][n] = (vf){0};                                             \
-        for (int64_t b = 0; b < K / 32; b++)                                                              \
-            for (int n = 0; n < NC; n++) {                                                                \
-                vf w[NV];                                                                                 \
-                weights_##KIND(q, d, m, n0 + nc + n, b, K, w);                                            \
-                for (int r = 0; r < MRC; r++)                                                             \
-                    for (int i = 0; i < NV; i++)                                                          \
-                        acc[r][n] = fmadd(w[i], loadf(x + r * K + b * 32 + i * VL), acc[r][n]);            \
-            }                                                                                             \
-        for (int r = 0; r < MRC; r++)                                                                     \
-            for (int n = 0; n < NC; n++) y[r * N + n0 + nc + n] = hsum(acc[r][n]);                        \
+    /* AVX2: 2 outputs a pass for 3-4 rows, 1 for 5-8; AVX-512 (32 registers): 2 for 5-8 */            \
+    enum { NC = NRC == 1 ? 1 : MRC > 4 ? (VL == 16 ? 2 : 1) : VL == 8 && MRC > 2 ? NRC / 2 : NRC,       \
+           KB = 128 / MRC };                                                                              \
+    float ds[NRC][K / 32], ms[NRC][K / 32];                                                               \
+    for (int n = 0; n < NRC; n++) scales(d, m, n0 + n, K / 32, ds[n], ms[n]);                             \
+    vf part[NRC][MRC];                                                                                    \
+    for (int n = 0; n < NRC; n++)                                                                         \
+        for (int r = 0; r < MRC; r++) part[n][r] = (vf){0};                                               \
+    for (int64_t b0 = 0; b0 < K / 32; b0 += KB) {                                                         \
+        const int64_t b1 = b0 + KB < K / 32 ? b0 + KB : K / 32;                                           \
+        for (int nc = 0; nc < NRC; nc += NC) {                                                            \
+            vf acc[MRC][NC];                                                                              \
+            for (int r = 0; r < MRC; r++)                                                                 \
+                for (int n = 0; n < NC; n++) acc[r][n] = part[nc + n][r];                                 \
+            for (int64_t b = b0; b < b1; b++)                                                             \
+                for (int n = 0; n < NC; n++) {                                                            \
+                    vf w[NV];                                                                             \
+                    weights_##KIND(q, ds[nc + n], ms[nc + n], n0 + nc + n, b, K, w);                      \
+                    for (int r = 0; r < MRC; r++)                                                         \
+                        for (int i = 0; i < NV; i++)                                                      \
+                            acc[r][n] = fmadd(w[i], loadf(x + r * K + b * 32 + i * VL), acc[r][n]);        \
+                }                                                                                         \
+            for (int r = 0; r < MRC; r++)                                                                 \
+                for (int n = 0; n < NC; n++) part[nc + n][r] = acc[r][n];                                 \
+        }                                                                                                 \
     }                                                                                                     \
+    for (int r = 0; r < MRC; r++)                                                                         \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum(part[n][r]);                               \
 }
 
 /* Outputs [n0, n0 + NRC) for all M rows of x, MR rows at a time. */
+#if MR == 8
+#define TILES(KIND, NRC) TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)       \
+                         TILE(KIND, 5, NRC) TILE(KIND, 6, NRC) TILE(KIND, 7, NRC) TILE(KIND, 8, NRC)
+#define MORE(KIND, NRC)                                                                                   \
+        case 5: CAT(tile_##KIND##_5_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        case 6: CAT(tile_##KIND##_6_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        case 7: CAT(tile_##KIND##_7_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        case 8: CAT(tile_##KIND##_8_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;
+#else
+#define TILES(KIND, NRC) TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)
+#define MORE(KIND, NRC)
+#endif
 #define COLUMNS(KIND, NRC)                                                                                \
-TILE(KIND, 1, NRC) TILE(KIND, 2, NRC) TILE(KIND, 3, NRC) TILE(KIND, 4, NRC)                               \
+TILES(KIND, NRC)                                                                                          \
 static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t K, const void *q,      \
         const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
     for (int64_t r = 0; r < M; r += MR) {                                                                 \
@@ -133,13 +188,14 @@ static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t
         case 1: CAT(tile_##KIND##_1_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
         case 2: CAT(tile_##KIND##_2_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
         case 3: CAT(tile_##KIND##_3_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
-        default: CAT(tile_##KIND##_4_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                      \
+        case 4: CAT(tile_##KIND##_4_##NRC, NAME)(xr, K, q, d, m, n0, yr, N); break;                       \
+        MORE(KIND, NRC)                                                                                   \
         }                                                                                                 \
     }                                                                                                     \
 }
 
 /* The NR outputs of an unpacked tile w (NR, K) for rows [0, MRC) of x: each step loads the rows' x once, then
- * one weight vector at a time (sums, x and a weight in registers: 16 at most for 3 rows, as AVX2 has). */
+ * one weight vector at a time (sums, x and a weight in registers: 16 at most for 3 rows). */
 #define TILE_F32(MRC)                                                                                     \
 static inline void CAT(unpacked_##MRC, NAME)(const float *x, int64_t K, const float *w, float *y, int64_t N) { \
     vf acc[MRC][NR];                                                                                      \
@@ -157,9 +213,6 @@ static inline void CAT(unpacked_##MRC, NAME)(const float *x, int64_t K, const fl
         for (int n = 0; n < NR; n++) y[r * N + n] = hsum(acc[r][n]);                                      \
 }
 TILE_F32(1) TILE_F32(2) TILE_F32(3)
-#if MF == 4
-TILE_F32(4)
-#endif
 
 /* An unpacked tile's outputs for all M rows, MF rows at a time. */
 static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
@@ -168,16 +221,14 @@ static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const floa
         case 1: CAT(unpacked_1, NAME)(x + r * K, K, w, y + r * N, N); break;
         case 2: CAT(unpacked_2, NAME)(x + r * K, K, w, y + r * N, N); break;
         case 3: CAT(unpacked_3, NAME)(x + r * K, K, w, y + r * N, N); break;
-#if MF == 4
-        case 4: CAT(unpacked_4, NAME)(x + r * K, K, w, y + r * N, N); break;
-#endif
         }
     }
 }
 
 /* y (M, N) = x (M, K) · Wᵀ. The outputs are split between threads in tiles of NR (the last, partial
- * tile one output at a time: the same operations per output either way). Up to MR rows, each tile's
- * blocks are unpacked in registers; with more, once into a buffer that every group of MF rows reads. */
+ * tile one output at a time: the same operations per output either way). A tile's blocks are unpacked in
+ * registers once per MR rows; at the SSE level (no FMA: unpacking costs more than the products), with more
+ * than MR rows, once into a buffer that every group of MF rows reads. */
 #define MATMUL(KIND)                                                                                      \
 COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                          \
 void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
@@ -185,17 +236,12 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
     const int64_t tiles = N / NR;                                                                         \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
-        float *w = M > MR ? malloc(NR * K * sizeof(float)) : NULL;  /* this thread's unpacked tile */     \
+        float *w = VL == 4 && M > MR ? malloc(NR * K * sizeof(float)) : NULL;  /* this thread's unpacked tile */     \
         _Pragma("omp for schedule(static)")                                                               \
         for (int64_t t = 0; t <= tiles; t++) {                                                            \
             if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                         \
             if (t < tiles && w) {                                                                         \
-                for (int n = 0; n < NR; n++)                                                              \
-                    for (int64_t b = 0; b < K / 32; b++) {                                                \
-                        vf v[NV];                                                                         \
-                        weights_##KIND(q, d, m, t * NR + n, b, K, v);                                     \
-                        memcpy(w + n * K + b * 32, v, sizeof v);                                          \
-                    }                                                                                     \
+                for (int n = 0; n < NR; n++) unpack_##KIND(q, d, m, t * NR + n, K, w + n * K);            \
                 CAT(unpacked, NAME)(x, M, K, w, y + t * NR, N);                                           \
             } else if (t < tiles) CAT(columns_##KIND##_4, NAME)(x, M, K, q, d, m, t * NR, y, N);          \
             else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND##_1, NAME)(x, M, K, q, d, m, n, y, N); \
@@ -210,12 +256,7 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
 void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float16 *m, int64_t N,       \
                                  int64_t K, float *w) {                                                  \
     _Pragma("omp parallel for schedule(static)")                                                          \
-    for (int64_t n = 0; n < N; n++)                                                                       \
-        for (int64_t b = 0; b < K / 32; b++) {                                                            \
-            vf v[NV];                                                                                     \
-            weights_##KIND(q, d, m, n, b, K, v);                                                          \
-            memcpy(w + n * K + b * 32, v, sizeof v);                                                      \
-        }                                                                                                 \
+    for (int64_t n = 0; n < N; n++) unpack_##KIND(q, d, m, n, K, w + n * K);                             \
 }
 
 MATMUL(q4)
