@@ -67,7 +67,7 @@ static inline vf tofloat(vi v) { return __builtin_convertvector(v, vf); }
  * (unsigned) with their signs moved onto x (u8·s8 is what the instructions multiply). `nb` blocks are
  * read (4; 2 or fewer at the end of a row, the rest 0). */
 #if VL == 16
-typedef struct { __m512i u[2]; __mmask64 neg[2]; } wquad;
+typedef struct { __m512i u[2], sign[2]; __mmask64 neg[2]; } wquad;
 static inline __m512i bytes64(const void *p, int n) {  /* n·16 bytes (n <= 4), zeros after */
     return n == 4 ? _mm512_loadu_si512(p) : n == 0 ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi8((1ULL << 16 * n) - 1, p);
 }
@@ -79,6 +79,7 @@ static inline void load_q8(const int8_t *p, int nb, wquad *w) {
     const __m512i a = bytes64(p, nb >= 2 ? 4 : 2 * nb), b = bytes64(p + 64, nb >= 2 ? 2 * (nb - 2) : 0);
     /* blocks j of a and b: 32 bytes each; lane order wants their first halves, then their second */
     const __m512i lo = _mm512_shuffle_i64x2(a, b, 0x88), hi = _mm512_shuffle_i64x2(a, b, 0xdd);
+    w->sign[0] = lo, w->sign[1] = hi;
     w->neg[0] = _mm512_movepi8_mask(lo), w->neg[1] = _mm512_movepi8_mask(hi);
     w->u[0] = _mm512_abs_epi8(lo), w->u[1] = _mm512_abs_epi8(hi);
 }
@@ -205,12 +206,25 @@ static inline float hsum_quad(const vf acc[NV]) {
 
 typedef int8_t vb __attribute__((vector_size(VL)));
 
-/* Row x (K) as ceil(K/128) quads (blocks past the row are 0), VL inputs at a time. */
-static void quantize_row(const float *x, int64_t K, xquad *out) {
+#if DIGITS == 2
+/* Where input k of block j of a quad goes among the quad's 128 values in pair order (`pairs`): vector i of
+ * the quad's lanes, its pair t, lane within the vector, first or second of the pair. */
+static inline int pair_at(int j, int k) {
+    const int b = k % 16, lane = 4 * j + b / 4, t = 2 * (k / 16) + (b & 1), e = (b & 3) >> 1;
+    return ((lane / VL * 4 + t) * VL + lane % VL) * 2 + e;
+}
+#endif
+
+/* Row x (K) as ceil(K/128) quads (blocks past the row are 0), VL inputs at a time; DIGITS = 2 and `pairs`
+ * not NULL: also each quad's 16-bit values in pair order (128 a quad). */
+static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) {
     const int64_t B = K / 32;
     for (int64_t p = 0; p < (B + 3) / 4; p++) {
         xquad *o = out + p;
         memset(o, 0, sizeof *o);
+#if DIGITS == 2
+        if (pairs) memset(pairs + 128 * p, 0, 256);
+#endif
         for (int j = 0; j < 4 && 4 * p + j < B; j++) {
             const float *xb = x + (4 * p + j) * 32;
             vf top = {0};
@@ -227,6 +241,8 @@ static void quantize_row(const float *x, int64_t K, xquad *out) {
                 const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
                 const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
                 memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
+                if (pairs)
+                    for (int l = 0; l < VL; l++) pairs[128 * p + pair_at(j, i + l)] = (int16_t)v[l];
 #else
                 const vb b = __builtin_convertvector(v, vb);
                 memcpy(o->q[0] + at, &b, VL);
@@ -298,6 +314,102 @@ static void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const xquad *xs, int64_t K, c
 }
 #define TILE_(KIND, MRC, NRC) TILE(KIND, MRC, NRC)  /* MR and NR expanded first */
 
+#if DIGITS == 2
+/* Batches of 16-bit x (MB rows or more): integer products of pairs, x·w + x'·w' in one instruction (pmaddwd),
+ * 16-bit x against the weights widened to 16 bits once for up to RB rows. A lane's four pairs are its eight
+ * inputs, so its sum is Σ qw·qx, exactly the two digits' sum above, and each lane's float steps are QUAD's:
+ * the same bits as the tiles above, one row or many.
+ * Pair order: per vector i of the quad's lanes (VL lanes, lane L = 4·block + l), four vectors of pairs t,
+ * each lane's pair t taken from its inputs (4l, 4l+2), (4l+1, 4l+3), (16+4l, 16+4l+2), (16+4l+1, 16+4l+3):
+ * in a lane's 32 bits of Q4_1's nibbles (bytes 4l..4l+3) or Q8_0's first or second 16 bytes, the even bytes
+ * and the odd ones. */
+#define MB 3
+#define RB 8
+typedef int16_t vh __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+#if VL == 16
+static inline vi madd(vi a, vi b) { return (vi)_mm512_madd_epi16((__m512i)a, (__m512i)b); }
+#elif VL == 8
+static inline vi madd(vi a, vi b) { return (vi)_mm256_madd_epi16((__m256i)a, (__m256i)b); }
+#else
+static inline vi madd(vi a, vi b) { return (vi)_mm_madd_epi16((__m128i)a, (__m128i)b); }
+#endif
+static inline void pairs_q4(const wquad *w, int i, vi t[4]) {  /* nibbles 0..15 */
+    const vi lo = (vi)w->u[i], hi = (vi)w->u[NV + i];
+    t[0] = lo & 0x00ff00ff, t[1] = (vi)((vu)lo >> 8) & 0x00ff00ff;
+    t[2] = hi & 0x00ff00ff, t[3] = (vi)((vu)hi >> 8) & 0x00ff00ff;
+}
+static inline void pairs_q8(const wquad *w, int i, vi t[4]) {  /* signed bytes, sign-extended */
+    const vh lo = (vh)w->sign[i], hi = (vh)w->sign[NV + i];
+    t[0] = (vi)((lo << 8) >> 8), t[1] = (vi)(lo >> 8), t[2] = (vi)((hi << 8) >> 8), t[3] = (vi)(hi >> 8);
+}
+
+/* Quad p's lanes i for output n and rows [0, R): as QUAD's, the sums from the pairs. */
+#define WIDE_QUAD(KIND)                                                                                   \
+static inline __attribute__((always_inline)) void CAT(wide_quad_##KIND, NAME)(const int16_t *xp,          \
+        const xquad *xs, int64_t P, int64_t K, const void *q, const _Float16 *d, const _Float16 *m,       \
+        int64_t n, int64_t p, int nb, int i, int R, vf *acc) {                                            \
+    const int64_t B = K / 32;                                                                             \
+    wquad w;                                                                                              \
+    vf dw[NV], mw[NV];                                                                                    \
+    load_##KIND((const void *)((const char *)q + n * BYTES_##KIND(K) + 4 * p * BYTES_##KIND(32)), nb, &w); \
+    spread(d + n * B + 4 * p, nb, dw);                                                                    \
+    if (Q4_##KIND) spread(m + n * B + 4 * p, nb, mw);                                                     \
+    vi t[4];                                                                                              \
+    pairs_##KIND(&w, i, t);                                                                               \
+    for (int r = 0; r < R; r++) {                                                                         \
+        const vi *x = (const vi *)(xp + (r * P + p) * 128) + 4 * i;                                       \
+        const vi s = (madd(t[0], x[0]) + madd(t[1], x[1])) + (madd(t[2], x[2]) + madd(t[3], x[3]));       \
+        const xquad *xq = xs + r * P + p;                                                                 \
+        acc[r] = fmadd(dw[i] * loadf(xq->dx + VL * i), tofloat(s), acc[r]);                               \
+        if (Q4_##KIND) acc[r] = fmadd(mw[i], loadf(xq->sx + VL * i), acc[r]);                             \
+    }                                                                                                     \
+}
+
+/* Output n for rows [0, R) (R <= RB, a constant where inlined): lanes i = 0.. NV-1 one after another. */
+#define WIDE(KIND, R)                                                                                     \
+static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const xquad *xs, int64_t K, const void *q,    \
+        const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {                           \
+    const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
+    vf out[R][NV];                                                                                        \
+    _Pragma("GCC unroll 4")  /* i a constant in each copy: the quad's vectors i stay in registers */      \
+    for (int i = 0; i < NV; i++) {                                                                        \
+        vf acc[R];                                                                                        \
+        for (int r = 0; r < R; r++) acc[r] = (vf){0};                                                     \
+        for (int64_t p = 0; p < B / 4; p++) CAT(wide_quad_##KIND, NAME)(xp, xs, P, K, q, d, m, n, p, 4, i, R, acc); \
+        if (B % 4) CAT(wide_quad_##KIND, NAME)(xp, xs, P, K, q, d, m, n, B / 4, (int)(B % 4), i, R, acc); \
+        for (int r = 0; r < R; r++) out[r][i] = acc[r];                                                   \
+    }                                                                                                     \
+    for (int r = 0; r < R; r++) y[r * N + n] = hsum_quad(out[r]);                                         \
+}
+#define BATCH(KIND) WIDE_QUAD(KIND) WIDE(KIND, 1) WIDE(KIND, 2) WIDE(KIND, 3) WIDE(KIND, 4) WIDE(KIND, 5)  \
+                    WIDE(KIND, 6) WIDE(KIND, 7) WIDE(KIND, 8)                                             \
+static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t M, int64_t K, const void *q, \
+        const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {                           \
+    const int64_t P = (K / 32 + 3) / 4;                                                                   \
+    for (int64_t r = 0; r < M; r += RB) {                                                                 \
+        const int16_t *xr = xp + r * P * 128;                                                             \
+        const xquad *sr = xs + r * P;                                                                     \
+        float *yr = y + r * N;                                                                            \
+        switch (M - r < RB ? (int)(M - r) : RB) {                                                         \
+        case 1: CAT(wide_##KIND##_1, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 2: CAT(wide_##KIND##_2, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 3: CAT(wide_##KIND##_3, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 4: CAT(wide_##KIND##_4, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 5: CAT(wide_##KIND##_5, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 6: CAT(wide_##KIND##_6, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        case 7: CAT(wide_##KIND##_7, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
+        default: CAT(wide_##KIND##_8, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                         \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+#define WIDE_CALL(KIND, n) if (xp) { CAT(wide_##KIND, NAME)(xp, xs, M, K, q, d, m, n, y, N); continue; }
+#else
+#define MB (1 << 30)
+#define BATCH(KIND)
+#define WIDE_CALL(KIND, n)
+#endif
+
 /* y (M, N) = x (M, K) · Wᵀ: outputs split between threads in tiles of NR (the last, partial tile one
  * output at a time), rows MR at a time and the rest one by one (the same operations per row either way). */
 #define MATMUL(KIND)                                                                                      \
@@ -316,15 +428,22 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
                                 const _Float16 *m, int64_t N, float *y) {                                 \
     const int64_t P = (K / 32 + 3) / 4, tiles = N / NR;                                                   \
     xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P);                               \
+    int16_t *xp = M >= MB ? aligned_alloc(64, (size_t)(M * P) * 256) : NULL;  /* pair order, for batches */ \
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp ? xp + r * P * 128 : NULL); \
     _Pragma("omp parallel for schedule(static)")                                                          \
     for (int64_t t = 0; t <= tiles; t++) {                                                                \
         if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                             \
-        if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N);                     \
-        else for (int64_t n = tiles * NR; n < N; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
+        for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) {                                \
+            WIDE_CALL(KIND, n)                                                                            \
+            if (t < tiles) { CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N); break; }      \
+            CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N);                                     \
+        }                                                                                                 \
     }                                                                                                     \
     free(xs);                                                                                             \
+    free(xp);                                                                                             \
 }
 
+BATCH(q4)
+BATCH(q8)
 MATMUL(q4)
 MATMUL(q8)
