@@ -15,7 +15,8 @@
  * sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles, then high).
  * Every level forms the same lanes (one 512-bit vector, two 256-bit or four 128-bit ones) and adds
  * them in the same order, so AVX-512 and AVX2 give the same bits (the SSSE3 level, without FMA,
- * rounds its own way). As in blocks.c, a row's result never depends on the other rows of the batch.
+ * rounds its own way). As in blocks.c, a row's result never depends on the other rows of the batch:
+ * DIGITS = 2 sums batches of 3 rows or more another way (16-bit pairs, `pmaddwd`), to the same integers.
  *
  * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd where the CPU has VNNI),
  * 8 (AVX2) or 4 (SSSE3), and NAME = the suffix of its entry points; and once per DIGITS, whose entry
@@ -429,14 +430,22 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
     const int64_t P = (K / 32 + 3) / 4, tiles = N / NR;                                                   \
     xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
     int16_t *xp = M >= MB ? aligned_alloc(64, (size_t)(M * P) * 256) : NULL;  /* pair order, for batches */ \
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp ? xp + r * P * 128 : NULL); \
-    _Pragma("omp parallel for schedule(static)")                                                          \
-    for (int64_t t = 0; t <= tiles; t++) {                                                                \
-        if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                             \
-        for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) {                                \
-            WIDE_CALL(KIND, n)                                                                            \
-            if (t < tiles) { CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N); break; }      \
-            CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N);                                     \
+    if (M < MB)  /* a row or two: rounded by this thread before the others start */                     \
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, NULL);                     \
+    _Pragma("omp parallel")                                                                               \
+    {                                                                                                     \
+        if (M >= MB) {  /* a batch: its rows rounded by the threads, all of them before any tile */      \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp ? xp + r * P * 128 : NULL); \
+        }                                                                                                 \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t t = 0; t <= tiles; t++) {                                                            \
+            if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                         \
+            for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) {                            \
+                WIDE_CALL(KIND, n)                                                                        \
+                if (t < tiles) { CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N); break; }  \
+                CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N);                                 \
+            }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     free(xs);                                                                                             \
