@@ -17,7 +17,7 @@
 
 #define NV (32 / VL)   /* vectors per block */
 #define NR 4   /* outputs a thread takes at a time (their sums are independent chains) */
-#define MR (VL == 4 ? 4 : 8)   /* rows of x at most whose tiles unpack their blocks in registers, for all rows at once */
+#define MR (VL == 4 ? 4 : 8)   /* rows of x at most that a tile unpacks its blocks in registers for */
 #define MF 3   /* SSE: rows at a time over a tile unpacked into a buffer (more rows than MR) */
 
 #include <immintrin.h>
@@ -72,9 +72,9 @@ static inline void scales(const _Float16 *d, const _Float16 *m, int64_t n, int64
     for (; i < count; i++) ds[i] = d[i], ms[i] = m ? (float)m[i] : 0;
 }
 
-/* The 32 weights of block b of row n as NV float vectors, inputs in order (ds, ms: the row's scales). q·d is exact in fp32 (4 bits
- * times fp16's 11), so fmadd(q, d, m) rounds once where the float path rounds q·d (exactly) and then + m:
- * the same bits. */
+/* The 32 weights of block b of row n as NV float vectors, inputs in order (ds, ms: the row's scales).
+ * q·d is exact in fp32 (4 bits times fp16's 11), so fmadd(q, d, m) rounds once where the float path
+ * rounds q·d (exactly) and then + m: the same bits. */
 static inline void weights_q4(const void *q, const float *ds, const float *ms, int64_t n, int64_t b,
                               int64_t K, vf w[NV]) {
     const uint8_t *p = (const uint8_t *)q + n * (K / 2) + b * 16;
