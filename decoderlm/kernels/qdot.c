@@ -404,11 +404,11 @@ static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t M
         }                                                                                                 \
     }                                                                                                     \
 }
-#define WIDE_CALL(KIND, n) if (xp) { CAT(wide_##KIND, NAME)(xp, xs, M, K, q, d, m, n, y, N); continue; }
+#define WIDE_ONE(KIND, n) CAT(wide_##KIND, NAME)(xp, xs, M, K, q, d, m, n, y, N)
 #else
 #define MB (1 << 30)
 #define BATCH(KIND)
-#define WIDE_CALL(KIND, n)
+#define WIDE_ONE(KIND, n) ((void)0)  /* never: no batch path (MB) */
 #endif
 
 /* y (M, N) = x (M, K) · Wᵀ: outputs split between threads in tiles of NR (the last, partial tile one
@@ -436,16 +436,15 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
     {                                                                                                     \
         if (M >= MB) {  /* a batch: its rows rounded by the threads, all of them before any tile */      \
             _Pragma("omp for schedule(static)")                                                           \
-            for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp ? xp + r * P * 128 : NULL); \
+            for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp + r * P * 128);     \
         }                                                                                                 \
         _Pragma("omp for schedule(static)")                                                               \
         for (int64_t t = 0; t <= tiles; t++) {                                                            \
             if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                         \
-            for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) {                            \
-                WIDE_CALL(KIND, n)                                                                        \
-                if (t < tiles) { CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, t * NR, 1, y, N); break; }  \
-                CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N);                                 \
-            }                                                                                             \
+            const int64_t n0 = t * NR, n1 = t < tiles ? n0 + NR : N;                                      \
+            if (xp) for (int64_t n = n0; n < n1; n++) WIDE_ONE(KIND, n);                                  \
+            else if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n0, 1, y, N);                \
+            else for (int64_t n = n0; n < n1; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
         }                                                                                                 \
     }                                                                                                     \
     free(xs);                                                                                             \
