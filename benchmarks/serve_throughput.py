@@ -19,6 +19,12 @@ records that run order. Per server and level it reports the median over the --re
 and each latency figure), the min and max throughput and each repeat's figures; against llama-server
 the ratio of the medians and the ratio within each repeat.
 
+Each run also records the CPU it cost per generated token (`cpu_ms_per_token`, from Linux's /proc: the
+process's total and its main thread's own): the server's main thread (decoderlm's HTTP event loop; llama-server's
+main thread), the server's other threads (decoderlm's engine and its OpenMP worker) and this client. On a
+machine with as many cores as --threads, CPU spent by the first and the last is taken from the step.
+serve_step.py measures decoderlm's step without HTTP, for comparison.
+
 llama-server is optional (`--llama-server PATH`). The binary measured for the README was built from
 the llama.cpp tree vendored in llama-cpp-python's source release, outside the repo:
 
@@ -101,6 +107,30 @@ async def run_level(url: str, model: str, streams: int, max_tokens: int) -> dict
             "itl_p50": percentile(itl, 0.5), "itl_p95": percentile(itl, 0.95)}
 
 
+def cpu_seconds(pid: int) -> dict[str, float] | None:
+    """CPU seconds so far of process pid's main thread and of its other threads, ended ones included (the
+    process's total from /proc/PID/stat, the main thread's from its schedstat); None where /proc lacks them."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: utime and stime are fields 14 and 15
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            main = int(f.read().split()[0]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return None
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"server_main_thread": main, "server_other_threads": max(0.0, total - main)}
+
+
+def measured_run(url: str, pid: int, model: str, streams: int, max_tokens: int) -> dict:
+    """run_level, with the CPU ms per generated token of the server's threads and of this client."""
+    server, client = cpu_seconds(pid), time.process_time()
+    run = asyncio.run(run_level(url, model, streams, max_tokens))
+    after, client = cpu_seconds(pid), time.process_time() - client
+    if server is not None and after is not None:
+        run["cpu_ms_per_token"] = {k: 1e3 * (after[k] - server[k]) / run["tokens"] for k in server} | {"client": 1e3 * client / run["tokens"]}
+    return run
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,23 +176,26 @@ def summarise(runs: list[dict]) -> dict:
     and every repeat as measured."""
     keys = ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95")
     tok_s = [r["tok_s"] for r in runs]
-    return ({"streams": runs[0]["streams"], "tokens": runs[0]["tokens"]} | {k: statistics.median(r[k] for r in runs) for k in keys}
-            | {"tok_s_min": min(tok_s), "tok_s_max": max(tok_s), "repeats": runs})
+    out = ({"streams": runs[0]["streams"], "tokens": runs[0]["tokens"]} | {k: statistics.median(r[k] for r in runs) for k in keys}
+           | {"tok_s_min": min(tok_s), "tok_s_max": max(tok_s), "repeats": runs})
+    if all("cpu_ms_per_token" in r for r in runs):
+        out["cpu_ms_per_token"] = {k: statistics.median(r["cpu_ms_per_token"][k] for r in runs) for k in runs[0]["cpu_ms_per_token"]}
+    return out
 
 
 Save = Callable[[dict[str, list[dict]], list[dict]], None]
 
 
-def measure(urls: dict[str, str], args: argparse.Namespace, save: Save) -> tuple[dict[str, list[dict]], list[dict]]:
-    """Every level on every server, interleaved level by level (repeat r: each server in turn); the
-    per-server levels and the run order. `save(results, order)` is called after each level."""
+def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace, save: Save) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every level on every server (its url, its process id), interleaved level by level (repeat r: each server
+    in turn); the per-server levels and the run order. `save(results, order)` is called after each level."""
     results: dict[str, list[dict]] = {name: [] for name in urls}
     order: list[dict] = []
     for streams in args.streams:
         runs: dict[str, list[dict]] = {name: [] for name in urls}
         for repeat in range(args.repeats):
             for name, url in urls.items():
-                run = asyncio.run(run_level(url, args.model, streams, args.max_tokens))
+                run = measured_run(url, pids[name], args.model, streams, args.max_tokens)
                 runs[name].append(run)
                 order.append({"streams": streams, "repeat": repeat, "server": name, "tok_s": run["tok_s"]})
                 print(f"{name:>16} {streams:>2} streams, repeat {repeat}: {run['tok_s']:7.1f} tok/s", flush=True)
@@ -194,7 +227,7 @@ def serving(servers: dict[str, Callable[..., subprocess.Popen]], args: argparse.
         for name, url in urls.items():
             wait_healthy(url, procs[name])
             asyncio.run(run_level(url, args.model, 1, 8))  # warm-up
-        return measure(urls, args, save)
+        return measure(urls, {name: proc.pid for name, proc in procs.items()}, args, save)
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -206,8 +239,9 @@ def serving(servers: dict[str, Callable[..., subprocess.Popen]], args: argparse.
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    """README's two tables: throughput per level, median (min–max) and × 1 stream, with decoderlm / llama-server
-    (ratio of the medians, then each repeat's); then p50 / p95 latencies in ms (medians over the repeats)."""
+    """README's tables: throughput per level, median (min–max) and × 1 stream, with decoderlm / llama-server
+    (ratio of the medians, then each repeat's); then p50 / p95 latencies in ms (medians over the repeats); then the
+    CPU a generated token cost each server's threads and the client, where /proc gave it."""
     names, ours = list(results), [name for name in results if name != "llama-server"]
     versus = ours if "llama-server" in results else []
     lines = ["| streams | " + " | ".join(f"{name} tok/s median (min–max), × 1 stream" for name in names)
@@ -220,6 +254,12 @@ def table(results: dict[str, list[dict]]) -> str:
     for i, level in enumerate(results[names[0]]):
         ms = [f"{round(1e3 * r[f'{k}_p50'])} / {round(1e3 * r[f'{k}_p95'])}" for r in (results[n][i] for n in names) for k in ("ttft", "itl")]
         lines.append(f"| {level['streams']} | " + " | ".join(ms) + " |")
+    if all("cpu_ms_per_token" in r for levels in results.values() for r in levels):
+        lines += ["", "| streams | " + " | ".join(f"{name} CPU ms a token: server main thread / other threads / client" for name in names)
+                  + " |", "|---:|" + "---:|" * len(names)]
+        for i, level in enumerate(results[names[0]]):
+            cpu = [" / ".join(f"{v:.2f}" for v in results[n][i]["cpu_ms_per_token"].values()) for n in names]
+            lines.append(f"| {level['streams']} | " + " | ".join(cpu) + " |")
     return "\n".join(lines)
 
 

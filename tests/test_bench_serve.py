@@ -1,13 +1,19 @@
-"""benchmarks/serve_throughput.py: servers measured interleaved level by level, with the spread of the repeats."""
+"""benchmarks/serve_throughput.py: servers measured interleaved level by level, with the spread of the repeats and
+the CPU a token cost each server's threads; benchmarks/serve_step.py: the server's step without HTTP."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from hf_models import make_hf_model
 
@@ -15,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("serve_throughput", ROOT / "benchmarks" / "serve_throughput.py")
 serve_throughput = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(serve_throughput)
+spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
+quality = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality)
 
 
 def test_servers_take_turns_within_each_level_and_every_repeat_is_reported(tmp_path: Path) -> None:
@@ -39,9 +48,14 @@ def test_servers_take_turns_within_each_level_and_every_repeat_is_reported(tmp_p
             assert level["tok_s_min"] == min(ordered) and level["tok_s_max"] == max(ordered)
             assert level["itl_p50"] == statistics.median(r["itl_p50"] for r in level["repeats"])
             assert level["tokens"] == 4 * level["streams"]
+            cpu = level["cpu_ms_per_token"]  # the median of the repeats', per thread group
+            assert set(cpu) == {"server_main_thread", "server_other_threads", "client"}
+            assert cpu["server_other_threads"] == statistics.median(r["cpu_ms_per_token"]["server_other_threads"] for r in level["repeats"])
+            assert cpu["server_other_threads"] > 0 and cpu["client"] > 0
         assert levels[0]["ratio_to_1"] == 1.0
     assert "| decoderlm auto tok/s median (min–max), × 1 stream | decoderlm none tok/s median (min–max), × 1 stream |" in proc.stdout
     assert "| decoderlm auto TTFT | decoderlm auto ITL | decoderlm none TTFT | decoderlm none ITL |" in proc.stdout
+    assert "decoderlm auto CPU ms a token: server main thread / other threads / client" in proc.stdout
 
 
 def test_ratios_to_llama_server_are_given_per_repeat_beside_the_ratio_of_medians() -> None:
@@ -55,3 +69,50 @@ def test_ratios_to_llama_server_are_given_per_repeat_beside_the_ratio_of_medians
     assert ours["vs_llama_server"] == 1.2 and ours["vs_llama_server_repeats"] == [1.0, 1.5, 1.5]
     assert "vs_llama_server" not in results["llama-server"][0]
     assert "| 4 | 120.0 (100.0–150.0), 1.00× | 100.0 (80.0–100.0), 1.00× | 1.20 (1.00, 1.50, 1.50) |" in serve_throughput.table(results)
+
+
+def test_serve_step_times_every_batch_size_in_an_engine_built_as_serve_builds_it(tmp_path: Path) -> None:
+    gguf = quality.tiny_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "serve_step.json"
+    proc = subprocess.run([sys.executable, "benchmarks/serve_step.py", "--model", str(gguf), "--no-compile", "--activations", "fp32,int16",
+                           "--batches", "1,3", "--new-tokens", "12", "--repeats", "2", "--threads", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["step"] == "eager" and result["threads"] == 1 and result["machine"]["isa"]
+    assert result["layers_activations"] == {"fp32": ["fp32"], "int16": ["int16"]}  # serve's flag reached every block layer
+    for arithmetic in ("fp32", "int16"):
+        levels = result["results"][arithmetic]
+        assert [level["rows"] for level in levels] == [1, 3]
+        for level in levels:
+            assert len(level["repeats"]) == 2 and level["step_ms"] == pytest.approx(sorted(level["repeats"])[0] / 2 + sorted(level["repeats"])[1] / 2)
+            assert level["tok_s"] == pytest.approx(level["rows"] * 1e3 / level["step_ms"])
+    assert "| 3 |" in proc.stdout
+
+
+def test_serve_step_refuses_too_few_tokens_to_time_a_step() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/serve_step.py", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode != 0 and "--new-tokens must be more than" in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"), reason="per-thread CPU needs Linux's schedstat")
+def test_a_servers_cpu_is_split_between_its_main_thread_and_the_others() -> None:
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    cpu_seconds = serve_throughput.cpu_seconds
+    before = cpu_seconds(os.getpid())
+    worker = threading.Thread(target=spin, args=(0.5,))
+    worker.start()
+    worker.join()
+    middle = cpu_seconds(os.getpid())
+    spin(0.5)
+    after = cpu_seconds(os.getpid())
+    # the process's total counts in clock ticks (10 ms): a few ticks of slack
+    assert middle["server_other_threads"] - before["server_other_threads"] >= 0.45  # the worker's CPU, the worker gone
+    assert middle["server_main_thread"] - before["server_main_thread"] < 0.05  # this thread only waited
+    assert after["server_main_thread"] - middle["server_main_thread"] >= 0.5
+    assert after["server_other_threads"] - middle["server_other_threads"] < 0.05
