@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/generate_speed.py
 	$(PY) benchmarks/compiled_decode.py
 	$(PY) benchmarks/block_kernels.py
+	$(PY) benchmarks/serve_step.py
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
