@@ -71,7 +71,7 @@ def child(args: argparse.Namespace) -> dict:
                     pass
             return 1e3 * statistics.median(b - a for a, b in zip(arrivals[SKIP:], arrivals[SKIP + 1:]))
 
-        step_ms(max(args.batches), SKIP + 8)  # warm-up: every batch size's first call
+        step_ms(max(args.batches), SKIP + 8)  # warm-up: the step's first calls, at the largest batch
         layers = sorted({m.activations for m in engine.model.modules() if isinstance(m, BlockLinear)})
         return {"steps": {b: step_ms(b, args.new_tokens) for b in args.batches}, "layers": layers}
     finally:
@@ -93,6 +93,7 @@ def run_child(args: argparse.Namespace, activations: str) -> dict:
 
 
 def table(results: dict[str, list[dict]]) -> str:
+    """Per batch size, each arithmetic's median step (the repeats' min–max) and its tokens/s."""
     names = list(results)
     lines = ["| rows | " + " | ".join(f"{a}: step ms (min–max), tok/s" for a in names) + " |", "|---:|" + "---:|" * len(names)]
     for i, level in enumerate(results[names[0]]):
