@@ -14,6 +14,7 @@ from conftest import corpus_text
 
 import decoderlm
 from decoderlm.cli import build_parser, main
+from decoderlm.cli.serve import serve_activations
 from decoderlm.loader import load
 
 TRAIN_FLAGS = ["--max-steps", "30", "--eval-interval", "15", "--batch-size", "4", "--context", "32", "--sample-chars", "50"]  # sample > context
@@ -208,9 +209,15 @@ def test_the_installed_entry_point_reports_errors_without_traceback(tmp_path, ru
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_the_server_decodes_in_fp32_arithmetic_and_chat_in_int16():
+def test_a_batching_server_decodes_in_fp32_arithmetic_and_chat_and_a_one_row_server_in_int16():
     """`serve` decodes batches of rows, which run faster in fp32 arithmetic than with int16 activations
-    (benchmarks/results/serve_throughput.json); `chat`, `generate` and `compile` decode one row: auto (int16)."""
+    (benchmarks/results/serve_step_avx2.json), in one arithmetic for every batch size; with --max-batch 1 every
+    step is one row, as in `chat`, `generate` and `compile`: auto (int16). An explicit --activations wins."""
     defaults = {name: a.default for name, p in parsers(build_parser()) for a in p._actions if a.dest == "activations"}
-    assert defaults["decoderlm serve"] == "fp32"
     assert defaults["decoderlm chat"] == defaults["decoderlm generate"] == defaults["decoderlm compile"] == "auto"
+    parser = build_parser()
+    assert serve_activations(parser.parse_args(["serve"])) == "fp32"
+    assert serve_activations(parser.parse_args(["serve", "--max-batch", "2"])) == "fp32"
+    assert serve_activations(parser.parse_args(["serve", "--max-batch", "1"])) == "auto"
+    assert serve_activations(parser.parse_args(["serve", "--max-batch", "1", "--activations", "fp32"])) == "fp32"
+    assert serve_activations(parser.parse_args(["serve", "--activations", "int8"])) == "int8"

@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 import decoderlm
 from decoderlm.cli import build_parser
-from decoderlm.cli.serve import parse_size, server_compile_flags
+from decoderlm.cli.serve import parse_size, serve_activations, server_compile_flags
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
 from tests.conftest import tiny_model
@@ -116,9 +117,11 @@ def test_serve_starts_the_background_build_of_its_own_step():
     serve_args = parser.parse_args(["serve", "--model", "smollm2-135m-instruct", "--max-batch", "6", "--kv-cache-memory", "64MiB",
                                     "--quantize", "int8"])
     compile_args = parser.parse_args(["compile", *server_compile_flags(serve_args)])
-    for name in ("model", "quantize", "activations", "dtype", "device", "max_batch", "kv_cache_memory"):
+    for name in ("model", "quantize", "dtype", "device", "max_batch", "kv_cache_memory"):
         assert getattr(compile_args, name) == getattr(serve_args, name), name
-    assert compile_args.server and serve_args.activations == "fp32"
+    assert compile_args.server and compile_args.activations == serve_activations(serve_args) == "fp32"  # the server's default, resolved
+    one_row = parser.parse_args(["compile", *server_compile_flags(parser.parse_args(["serve", "--max-batch", "1"]))])
+    assert one_row.activations == "auto" and one_row.max_batch == 1
 
 
 def test_a_one_row_server_compiles_its_step_too():
@@ -154,3 +157,21 @@ def test_a_failed_build_serves_eagerly_and_is_not_retried(tmp_path, monkeypatch)
     while second.has_work():
         second.step()
     assert [o.token_id for o in stream][-1] is not None
+
+
+def test_a_server_says_its_decode_arithmetic_and_a_one_row_server_decodes_as_chat(tmp_path):
+    """A real `decoderlm serve` on a Q4_1 GGUF: a batching server decodes in fp32 arithmetic, one with
+    --max-batch 1 in chat's int16, and each prints which before it serves; both answer."""
+    from tests.serve_helpers import ServerProcess
+    from tests.test_benchmarks import benchmark
+
+    gguf = benchmark("quality").tiny_gguf(tmp_path / "tiny.gguf")
+    for max_batch, arithmetic in (("4", "fp32"), ("1", "int16")):
+        server = ServerProcess("--model", str(gguf), "--max-batch", max_batch, "--no-compile", "--threads", "1")
+        try:
+            reply = httpx.post(f"{server.url}/v1/completions", json={"model": str(gguf), "prompt": "the", "max_tokens": 3,
+                                                                      "temperature": 0}, timeout=60)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        finally:
+            server.stop()
+        assert f"decode steps in {arithmetic} arithmetic" in server.output(), server.output()

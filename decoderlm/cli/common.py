@@ -96,15 +96,16 @@ QUANTIZE_HELP = {
 
 ACTIVATIONS_HELP = {
     "auto": "int16 where it applies",
-    "fp32": "a server decodes batches of rows, which run faster in fp32 arithmetic than in int16 (one row: slower)",
+    None: "fp32 for a server that batches, whose batches of rows run faster in fp32 arithmetic than in int16; "
+          "auto with --max-batch 1, where every step is one row",
 }
 
 
-def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize: str = "none", activations: str = "auto") -> None:
+def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize: str = "none", activations: str | None = "auto") -> None:
     """How to run the model: every command that runs one takes these; commands that decode token by
     token (generate, chat) also take --compile. `quantize`: the --quantize default (auto for the
     commands that serve a user, none for those that measure the model); `activations`: the
-    --activations default (fp32 for the server, whose steps are batches)."""
+    --activations default (None for the server: chosen by its batch size, `serve.serve_activations`)."""
     add_dtype_flag(p)
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", *MODES],
                    help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "
@@ -112,7 +113,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     p.add_argument("--activations", default=activations, choices=list(ACTIVATIONS),
                    help="how quantized layers take their inputs in decode steps (prompts stay fp32): int16 (rounded to 16 bits "
                         "per 32, integer dot products: 1.2-2.2x fp32's speed for one row, answers as fp32's), int8 (llama.cpp's "
-                        f"arithmetic: a little faster, a few answers differ) or fp32 (default: {activations}: {ACTIVATIONS_HELP[activations]})")
+                        f"arithmetic: a little faster, a few answers differ) or fp32 (default: {ACTIVATIONS_HELP[activations] if activations is None else f'{activations}: {ACTIVATIONS_HELP[activations]}'})")
     if compile:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="decode through a compiled step, built now if missing (once per model, mode and machine: "
