@@ -94,8 +94,8 @@ QUANTIZE_HELP = {
 }
 
 
-ACTIVATIONS_HELP = {
-    "auto": "int16 where it applies",
+ACTIVATIONS_HELP = {  # the default's description, by the default
+    "auto": "auto: int16 where it applies",
     None: "fp32 for a server that batches, whose batches of rows run faster in fp32 arithmetic than in int16; "
           "auto with --max-batch 1, where every step is one row",
 }
@@ -113,7 +113,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     p.add_argument("--activations", default=activations, choices=list(ACTIVATIONS),
                    help="how quantized layers take their inputs in decode steps (prompts stay fp32): int16 (rounded to 16 bits "
                         "per 32, integer dot products: 1.2-2.2x fp32's speed for one row, answers as fp32's), int8 (llama.cpp's "
-                        f"arithmetic: a little faster, a few answers differ) or fp32 (default: {ACTIVATIONS_HELP[activations] if activations is None else f'{activations}: {ACTIVATIONS_HELP[activations]}'})")
+                        f"arithmetic: a little faster, a few answers differ) or fp32 (default: {ACTIVATIONS_HELP[activations]})")
     if compile:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="decode through a compiled step, built now if missing (once per model, mode and machine: "
