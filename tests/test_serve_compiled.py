@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -87,6 +89,37 @@ def test_compiled_steps_give_the_eager_steps_tokens(smol, built):
         for (_, g_lp, g_top), (_, w_lp, w_top) in zip(g_row, w_row):
             assert abs(g_lp - w_lp) < 1e-4 and [i for i, _ in g_top] == [i for i, _ in w_top]
             assert max(abs(a - b) for (_, a), (_, b) in zip(g_top, w_top)) < 1e-4
+
+
+def test_other_threads_run_while_a_compiled_step_computes(smol, built):
+    """The server's compiled step runs with Python's GIL released (torch's own loader holds it for the whole
+    call), so the HTTP event loop can serve while a step computes: a thread that counts, sleeping 0.2 ms a
+    count, goes on counting during each step (with the GIL held it could not count at all)."""
+    model, _ = smol
+    step = engine(model, None).compiled
+    assert step.ready(), step.reason
+    B, W = 4, step.width
+    inputs = (torch.full((B, 1), 5), torch.full((B, 1), 5), torch.arange(B) + 21, torch.tensor([[1] + [0] * (W - 1)] * B),
+              torch.full((B,), 6))  # every row at position 5 of pool block 1
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+            time.sleep(0.0002)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    during = []
+    try:
+        for _ in range(5):
+            before = counted[0]
+            step(*inputs)
+            during.append(counted[0] - before)
+    finally:
+        stop.set()
+        counter.join()
+    assert sum(during) >= 25, during  # held, one count a step at most (5)
 
 
 def test_a_rows_logits_do_not_depend_on_its_company(smol, built):

@@ -21,8 +21,13 @@ others, and any failure to build or load, stay on the eager step, which is alway
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import shutil
 import sys
+import zipfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -100,6 +105,52 @@ def unsupported(model: Transformer) -> str | None:
     return compiled.not_compilable(model)
 
 
+RELEASED = Path(__file__).with_name("released_step.cpp")
+
+
+@functools.cache
+def released_steps():
+    """The C++ module (`released_step.cpp`) that runs a package's model with Python's GIL released, built on
+    first use (~30 s, once per machine and torch version, in the cache); None where it cannot be built (no
+    C++ compiler or ninja): steps then hold the GIL for their whole call, as torch's own loader does."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(RELEASED.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    folder = compiled.cache_dir() / f"released-{key}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(f"decoderlm_released_{key}", [str(RELEASED)], build_directory=str(folder), extra_cflags=["-O2"])
+    except Exception as e:  # noqa: BLE001 — torch's loader stays
+        print(f"compiled server steps hold Python's GIL while they run ({compiled.one_line(e)})", file=sys.stderr, flush=True)
+        return None
+
+
+def load_released(path: Path, step: nn.Module):
+    """The package at `path` run by `released_steps()`: its model's files (the .so, and the .json that names our
+    operators) unpacked once beside it, every constant `step`'s own tensor in place. None without the module."""
+    module = released_steps()
+    if module is None:
+        return None
+    stat = path.stat()
+    folder = path.with_name(f"{path.stem}.{stat.st_size}.{stat.st_mtime_ns}.model")  # a rebuilt package gets its own
+    if not folder.is_dir():
+        part = folder.with_suffix(f".{os.getpid()}.tmp")
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if "/data/aotinductor/model/" in name and not name.endswith("/"):
+                    part.mkdir(parents=True, exist_ok=True)
+                    (part / Path(name).name).write_bytes(archive.read(name))
+        try:
+            os.replace(part, folder)
+        except OSError:  # another process unpacked it first
+            shutil.rmtree(part, ignore_errors=True)
+    (library,) = folder.glob("*.so")
+    runner = module.Step(str(library))
+    state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    runner.constants({name: state[fqn] for name, fqn in runner.fqns().items()})
+    return runner
+
+
 class CompiledPagedStep:
     """A model's compiled server step for one pool and batch limit: built once per machine (`build`), then
     loaded from the cache in every later process. `ready()` loads it when its package exists; calling it
@@ -118,7 +169,12 @@ class CompiledPagedStep:
         """Whether the step can run: loaded now, if its package exists and loading it works."""
         if self.runner is None and self.reason is None and self.path.is_file():
             try:
-                self.runner = compiled.load_package(self.path, PagedStep(self.model, self.pool))
+                step = PagedStep(self.model, self.pool)
+                try:
+                    self.runner = load_released(self.path, step)
+                except Exception as e:  # noqa: BLE001 — torch's loader, which holds the GIL, stays
+                    print(f"the compiled server step will hold Python's GIL ({compiled.one_line(e)})", file=sys.stderr, flush=True)
+                self.runner = self.runner or compiled.load_package(self.path, step)
                 print(f"decode steps run through the compiled server step ({self.path.name})", file=sys.stderr, flush=True)
             except Exception as e:  # noqa: BLE001 — the eager step stays
                 self.reason = compiled.one_line(e)
