@@ -5,9 +5,9 @@
 requests and aborts, let the scheduler pick the rows, run one batched decode forward for every
 sequence with a token to feed and one forward for the prompt chunks being read, sample every row
 with its own params and generator, hand each token to its stream. The thread never holds the lock
-while the model runs, so callers never wait on a forward for it. Python's GIL is another matter: an eager
-forward releases it inside every kernel and torch op, but the compiled step (torch's AOTInductor runner)
-holds it for its whole call, so an event loop in the same process runs between compiled steps.
+while the model runs, so callers never wait on a forward for it; forwards release Python's GIL (an eager one
+inside every kernel and torch op, the compiled step for its whole call), so an event loop in the same
+process runs while the model computes.
 """
 
 from __future__ import annotations
