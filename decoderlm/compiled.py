@@ -91,9 +91,14 @@ def load_package(path: Path, step: nn.Module):
     int4 weights repacked at compile time) come from the package."""
     # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
     runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    state = own_tensors(step)
     runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
     return runner
+
+
+def own_tensors(step: nn.Module) -> dict[str, torch.Tensor]:
+    """`step`'s parameters and buffers by name (shared ones under every name): what a package's constants are."""
+    return {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
 
 
 def build_later(path: Path, flags: list[str], what: str) -> None:

@@ -146,7 +146,7 @@ def load_released(path: Path, step: nn.Module):
             shutil.rmtree(part, ignore_errors=True)
     (library,) = folder.glob("*.so")
     runner = module.Step(str(library))
-    state = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    state = compiled.own_tensors(step)
     runner.constants({name: state[fqn] for name, fqn in runner.fqns().items()})
     return runner
 
