@@ -122,6 +122,20 @@ def test_other_threads_run_while_a_compiled_step_computes(smol, built):
     assert sum(during) >= 25, during  # held, one count a step at most (5)
 
 
+def test_the_released_step_builds_without_ninja_on_path(tmp_path):
+    """A server started as `.venv/bin/decoderlm serve`, its virtual environment not activated, finds the ninja
+    package's binary for the GIL-releasing module (cpp_extension runs `ninja` from PATH in every process)."""
+    tools = tmp_path / "bin"  # the system's tools, its own ninja left out
+    tools.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name != "ninja":
+            (tools / tool.name).symlink_to(tool)
+    code = "import sys; from decoderlm.serve.compiled_step import released_steps; sys.exit(released_steps() is None)"
+    env = {**os.environ, "PATH": str(tools), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_rows_logits_do_not_depend_on_its_company(smol, built):
     """The same request alone and beside three others of other lengths: the same logprobs, bit for bit."""
     model, tok = smol

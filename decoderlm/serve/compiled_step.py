@@ -112,17 +112,32 @@ RELEASED = Path(__file__).with_name("released_step.cpp")
 def released_steps():
     """The C++ module (`released_step.cpp`) that runs a package's model with Python's GIL released, built on
     first use (~30 s, once per machine and torch version, in the cache); None where it cannot be built (no
-    C++ compiler or ninja): steps then hold the GIL for their whole call, as torch's own loader does."""
+    C++ compiler): steps then hold the GIL for their whole call, as torch's own loader does."""
     from torch.utils import cpp_extension
 
     key = hashlib.sha256(RELEASED.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
     folder = compiled.cache_dir() / f"released-{key}"
+    path = os.environ.get("PATH", "")
     try:
+        # cpp_extension runs `ninja` from PATH (in every process: it checks the build is current); the ninja
+        # package's binary is not there when the virtual environment was not activated.
+        os.environ["PATH"] = os.pathsep.join([*ninja_folder(), path])
         folder.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(f"decoderlm_released_{key}", [str(RELEASED)], build_directory=str(folder), extra_cflags=["-O2"])
     except Exception as e:  # noqa: BLE001 — torch's loader stays
         print(f"compiled server steps hold Python's GIL while they run ({compiled.one_line(e)})", file=sys.stderr, flush=True)
         return None
+    finally:
+        os.environ["PATH"] = path
+
+
+def ninja_folder() -> list[str]:
+    """The folder where the `ninja` package (a dependency) keeps its binary; none without the package."""
+    try:
+        import ninja
+    except ImportError:
+        return []
+    return [ninja.BIN_DIR]
 
 
 def load_released(path: Path, step: nn.Module):
