@@ -7,6 +7,7 @@ other compiled tests load that package from the same cache folder."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +105,25 @@ def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, pac
     assert COMPILING not in second.stderr and "eagerly" not in second.stderr, second.stderr
     assert list((package_dir / "compiled").glob("*.pt2")) == packages
     assert first.stdout == second.stdout == eager.stdout
+
+
+def test_a_chat_ended_by_sigterm_leaves_no_unpacked_package_behind(checkpoint, package_dir, tmp_path):
+    """torch's loader unpacks a compiled step's package into the temp folder and deletes it when released:
+    SIGTERM ends `chat` by an exception, as Ctrl-C does, so it is released (killed outright, 3 MB stayed)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    argv = [sys.executable, "-m", "decoderlm", "chat", "--model", str(checkpoint), "--temperature", "0", "--max-new-tokens", "4",
+            "--threads", "1", "--compile"]
+    env = {**os.environ, "DECODERLM_CACHE": str(package_dir), "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
+    chat = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    chat.stdin.write("hello\n")
+    chat.stdin.flush()
+    chat.stdout.readline()  # the reply has begun: the compiled step is loaded
+    assert list(temp.glob("aotinductor_*")), "the chat decoded without its compiled step"
+    chat.send_signal(signal.SIGTERM)
+    _, err = chat.communicate(timeout=120)
+    assert chat.returncode == 128 + signal.SIGTERM, err
+    assert not list(temp.glob("aotinductor_*"))
 
 
 def test_by_default_a_missing_step_is_built_in_the_background_for_later_runs(checkpoint, tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ Every user-facing error (`DecoderLMError`, a bad flag) becomes one line on stder
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from decoderlm import __version__
 from decoderlm.cli import chat, convert, finetune, inspect, perplexity, prepare, run, serve
@@ -43,9 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENDED_LIKE_CTRL_C = ("generate", "chat")  # the commands that decode through torch's loader of a compiled step
+
+
+def terminated(signum: int, frame) -> None:
+    """SIGTERM ends the command by an exception, as Ctrl-C does, so objects are released on the way out: torch's
+    loader of a compiled step deletes the copy of its package it unpacked into the temp folder only then (a
+    process that SIGTERM killed outright left 3 MB there each time)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in ENDED_LIKE_CTRL_C and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, terminated)
+            try:
+                return args.func(args) or 0
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         return args.func(args) or 0
     except DecoderLMError as e:
         print(f"error: {e}", file=sys.stderr)
