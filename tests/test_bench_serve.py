@@ -111,8 +111,7 @@ def test_a_servers_cpu_is_split_between_its_main_thread_and_the_others() -> None
     middle = cpu_seconds(os.getpid())
     spin(0.5)
     after = cpu_seconds(os.getpid())
-    # the process's total counts in clock ticks (10 ms): a few ticks of slack
-    assert middle["server_other_threads"] - before["server_other_threads"] >= 0.45  # the worker's CPU, the worker gone
-    assert middle["server_main_thread"] - before["server_main_thread"] < 0.05  # this thread only waited
+    assert middle["server_other_threads"] - before["server_other_threads"] >= 0.5  # the worker's CPU, the worker gone
+    assert middle["server_main_thread"] - before["server_main_thread"] < 0.01  # this thread only waited
     assert after["server_main_thread"] - middle["server_main_thread"] >= 0.5
-    assert after["server_other_threads"] - middle["server_other_threads"] < 0.05
+    assert after["server_other_threads"] - middle["server_other_threads"] < 0.01
