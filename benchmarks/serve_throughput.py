@@ -19,8 +19,8 @@ records that run order. Per server and level it reports the median over the --re
 and each latency figure), the min and max throughput and each repeat's figures; against llama-server
 the ratio of the medians and the ratio within each repeat.
 
-Each run also records the CPU it cost per generated token (`cpu_ms_per_token`, from Linux's /proc: the
-process's total and its main thread's own): the server's main thread (decoderlm's HTTP event loop; llama-server's
+Each run also records the CPU it cost per generated token (`cpu_ms_per_token`, on Linux: the process's
+CPU clock and its main thread's schedstat, both in ns): the server's main thread (decoderlm's HTTP event loop; llama-server's
 main thread), the server's other threads (decoderlm's engine and its OpenMP worker) and this client. On a
 machine with as many cores as --threads, CPU spent by the first and the last is taken from the step.
 serve_step.py measures decoderlm's step without HTTP, for comparison.
