@@ -9,6 +9,7 @@ import argparse
 import signal
 import sys
 import threading
+from types import FrameType
 
 from decoderlm import __version__
 from decoderlm.cli import chat, convert, finetune, inspect, perplexity, prepare, run, serve
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 ENDED_LIKE_CTRL_C = ("generate", "chat")  # the commands that decode through torch's loader of a compiled step
 
 
-def terminated(signum: int, frame) -> None:
+def terminated(signum: int, frame: FrameType | None) -> None:
     """SIGTERM ends the command by an exception, as Ctrl-C does, so objects are released on the way out: torch's
     loader of a compiled step deletes the copy of its package it unpacked into the temp folder only then (a
     process that SIGTERM killed outright left 3 MB there each time)."""

@@ -1,5 +1,5 @@
 // The server's compiled step run with Python's GIL released: torch's own AOTInductor bindings hold the GIL for
-// the whole call, so the HTTP event loop could not run while a step computed (compiled_step.ReleasedStep).
+// the whole call, so the HTTP event loop could not run while a step computed (compiled_step.load_released).
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 #include <torch/extension.h>
 
