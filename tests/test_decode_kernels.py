@@ -77,6 +77,21 @@ def test_a_row_is_the_same_alone_in_a_batch_and_with_masked_keys_after_its_own(B
     assert torch.equal(longer, whole)
 
 
+@settings(max_examples=10, deadline=None)
+@given(L=st.integers(1, 60), D=st.sampled_from([8, 20, 64]), seed=st.integers(0, 99))
+def test_a_key_counts_the_same_whichever_keys_share_its_vector(L, D, seed):
+    """Bit for bit: with 0-16 masked keys before a row's own, each key's score is summed in a different
+    group of keys (the kernel takes a vector's worth at a time, the rest one by one), and the result is
+    the same."""
+    q, k, v, _ = inputs(2, 6, 2, L, D, seed)
+    alone = kernels.attend_one(q, k, v, None, 0.3)
+    for shift in range(17):
+        junk = torch.randn(2, 2, shift, D)
+        mask = torch.zeros(2, 1, 1, shift + L).index_fill_(-1, torch.arange(shift), MIN)
+        shifted = kernels.attend_one(q, torch.cat((junk, k), 2), torch.cat((junk, v), 2), mask, 0.3)
+        assert torch.equal(shifted, alone), shift
+
+
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
 def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, seed):

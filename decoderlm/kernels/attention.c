@@ -53,16 +53,76 @@ static inline const float *at(const float *base, const int64_t *table, int64_t W
     return table ? base + table[b * W + l / bs] * rb + (l % bs) * rs : base + b * rb + l * rs;
 }
 
+/* hsum's pairing as shuffles of whole vectors: COMBINE(x, y, w) takes two vectors of groups of w lanes
+ * (a group: one key's partial sums) and returns one of groups of w/2, x's then y's, each lane l of a group
+ * the sum of its lanes l and l + w/2, as each step of hsum adds them. */
+#define LO(t, w) ((t) < VL / 2 ? 0 : VL) + (((t) % (VL / 2)) / ((w) / 2)) * (w) + ((t) % (VL / 2)) % ((w) / 2)
+#define HI(t, w) (LO(t, w) + (w) / 2)
+#if VL == 4
+#define MASK(f, w) ((vi){f(0, w), f(1, w), f(2, w), f(3, w)})
+#elif VL == 8
+#define MASK(f, w) ((vi){f(0, w), f(1, w), f(2, w), f(3, w), f(4, w), f(5, w), f(6, w), f(7, w)})
+#else
+#define MASK(f, w) ((vi){f(0, w), f(1, w), f(2, w), f(3, w), f(4, w), f(5, w), f(6, w), f(7, w), f(8, w), f(9, w), f(10, w), \
+                         f(11, w), f(12, w), f(13, w), f(14, w), f(15, w)})
+#endif
+#define COMBINE(x, y, w) (__builtin_shuffle(x, y, MASK(LO, w)) + __builtin_shuffle(x, y, MASK(HI, w)))
+#define LEVEL(w) for (int i = 0; i < (w) / 2; i++) a[i] = COMBINE(a[2 * i], a[2 * i + 1], w);
+
+/* hsum of each of a[0..VL) (overwritten), lane j the sum of a[j]: the same bits as VL calls of hsum. */
+static inline vf hsums(vf *a) {
+#if VL == 16
+    LEVEL(16)
+#endif
+#if VL >= 8
+    LEVEL(8)
+#endif
+    LEVEL(4) LEVEL(2)
+    return a[0];
+}
+
 /* One row's group of G query heads sharing a K/V head: each key and value is read once for all G.
- * s: scratch of G · padded scores (padded: the longest row rounded up to VL); acc: G · Dv sums.
- * Inlined with D = Dv = 64 or 128 as constants, so the loops over a row are unrolled. */
+ * s: scratch of G · padded scores (padded: the longest row rounded up to VL) and 2 · L addresses; acc: G · Dv sums.
+ * Inlined with D = Dv = 64 or 128 as constants, so the loops over a row are unrolled.
+ * Scores go VL keys at a time (their dot products' lanes summed together by hsums), the rest one by one.
+ * Values go LB keys at a time (a block stays in L1 for all G heads), one head's sums for up to CW vectors
+ * of channels in registers over the block. Keys and values are prefetched a step ahead: a paged cache's
+ * blocks lie anywhere in the pool. */
+#define CW (VL == 16 ? 16 : 8)  /* vectors of sums in registers */
+#define LB 32  /* keys a block */
 static inline __attribute__((always_inline)) void attend(const float *q, int64_t qh, int64_t G, const float *k, int64_t kb,
                                                           int64_t ks, const float *v, int64_t vb, int64_t vs,
                                                           const int64_t *table, int64_t W, int64_t bs, int64_t b, int64_t L,
                                                           const float *mask, int64_t D, int64_t Dv, float scale, float *s,
                                                           int64_t padded, float *acc, float *out) {
-    for (int64_t l = 0; l < L; l++) {
-        const float *kl = at(k, table, W, bs, b, l, kb, ks);
+    const int64_t whole = D / VL;
+    const float **kp = (const float **)(s + G * padded), **vp = kp + L;  /* each key's and value's address */
+    const int64_t run = table ? bs : L;  /* keys at one stride from the first */
+    for (int64_t l0 = 0; l0 < L; l0 += run) {
+        const float *k0 = at(k, table, W, bs, b, l0, kb, ks), *v0 = at(v, table, W, bs, b, l0, vb, vs);
+        for (int64_t o = 0; o < run && l0 + o < L; o++) kp[l0 + o] = k0 + o * ks, vp[l0 + o] = v0 + o * vs;
+    }
+    int64_t l = 0;
+    for (; l + VL <= L; l += VL) {
+        const float *const *kl = kp + l;
+        for (int64_t j = l + VL; j < l + 2 * VL && j < L; j++)  /* the next keys, while these are read */
+            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(kp[j] + i);
+        const vf m = mask ? loadf(mask + l) : (vf){0};
+        for (int64_t h = 0; h < G; h++) {
+            const float *qg = q + h * qh;
+            vf a[VL];
+            for (int j = 0; j < VL; j++) {
+                a[j] = (vf){0};
+                for (int64_t c = 0; c < whole; c++) a[j] += loadf(qg + c * VL) * loadf(kl[j] + c * VL);
+            }
+            vf dots = hsums(a);
+            for (int64_t i = whole * VL; i < D; i++)
+                for (int j = 0; j < VL; j++) dots[j] += qg[i] * kl[j][i];
+            storef(s + h * padded + l, scale * dots + m);
+        }
+    }
+    for (; l < L; l++) {
+        const float *kl = kp[l];
         const float m = mask ? mask[l] : 0.0f;
         for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kl, D) + m;
     }
@@ -74,22 +134,40 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
         const vf top = best - (vf){0};
         for (int64_t l = 0; l < L; l += VL) storef(sh + l, exp_neg(loadf(sh + l) - top));
         total[h] = 0;
-        for (int64_t l = 0; l < L; l++) total[h] += sh[l];
     }
+    for (int64_t l = 0; l < L; l++)
+        for (int64_t h = 0; h < G; h++) total[h] += s[h * padded + l];
     memset(acc, 0, G * Dv * sizeof(float));
-    const int64_t whole = Dv / VL, rest = Dv % VL;
-    for (int64_t l = 0; l < L; l++) {
-        const float *vl = at(v, table, W, bs, b, l, vb, vs);
-        vf x[whole + 1];
-        for (int64_t c = 0; c < whole; c++) x[c] = loadf(vl + c * VL);
-        if (rest) { x[whole] = (vf){0}; memcpy(&x[whole], vl + whole * VL, rest * sizeof(float)); }
+    for (int64_t l0 = 0; l0 < L; l0 += LB) {
+        const int64_t l1 = l0 + LB < L ? l0 + LB : L;
+        for (int64_t l = l1; l < l1 + LB && l < L; l++)  /* the next block, while this one is read */
+            for (int64_t i = 0; i < Dv; i += 16) __builtin_prefetch(vp[l] + i);
         for (int64_t h = 0; h < G; h++) {
-            const float p = s[h * padded + l];
-            for (int64_t c = 0; c < whole + (rest > 0); c++) storef(acc + h * Dv + c * VL, loadf(acc + h * Dv + c * VL) + p * x[c]);
+            const float *sh = s + h * padded;
+            float *ah = acc + h * Dv;
+            for (int64_t c0 = 0; c0 < Dv / VL; c0 += CW) {
+                const int64_t n = Dv / VL - c0 < CW ? Dv / VL - c0 : CW;
+                vf sum[CW];
+                for (int c = 0; c < n; c++) sum[c] = loadf(ah + (c0 + c) * VL);
+                for (int64_t l = l0; l < l1; l++) {
+                    const float *vl = vp[l] + c0 * VL;
+                    const float p = sh[l];
+                    for (int c = 0; c < n; c++) sum[c] = sum[c] + p * loadf(vl + c * VL);
+                }
+                for (int c = 0; c < n; c++) storef(ah + (c0 + c) * VL, sum[c]);
+            }
         }
     }
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t j = 0; j < Dv; j++) out[h * Dv + j] = acc[h * Dv + j] / total[h];
+    for (int64_t h = 0; h < G; h++) {
+        const float *sh = s + h * padded;
+        float *ah = acc + h * Dv;
+        for (int64_t j = Dv / VL * VL; j < Dv; j++) {  /* channels past the last whole vector */
+            float sum = 0;
+            for (int64_t l = 0; l < L; l++) sum = sum + sh[l] * vp[l][j];
+            ah[j] = sum;
+        }
+        for (int64_t j = 0; j < Dv; j++) out[h * Dv + j] = ah[j] / total[h];
+    }
 }
 
 void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb, int64_t ks, int64_t kh,
@@ -101,7 +179,7 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *
     const int64_t G = H / Hkv, padded = (longest + VL - 1) / VL * VL;
     _Pragma("omp parallel if (B * H * longest * D >= 65536)")
     {
-        float *s = malloc(G * padded * sizeof(float)), *acc = malloc(G * (Dv + VL) * sizeof(float));  /* this thread's */
+        float *s = malloc(G * padded * sizeof(float) + 2 * longest * sizeof(float *)), *acc = malloc(G * Dv * sizeof(float));  /* this thread's */
         _Pragma("omp for schedule(static)")
         for (int64_t bg = 0; bg < B * Hkv; bg++) {
             const int64_t b = bg / Hkv, g = bg % Hkv;
