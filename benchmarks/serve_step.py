@@ -5,14 +5,17 @@ client share the CPU with the decode step. This measures the step itself, so the
 serving costs on top of the model. For each --activations (serve's fp32 and int16, `chat`'s arithmetic) a
 child process builds the engine as `decoderlm serve` does (its own flags and parser, the model loaded in a
 passing thread, the compiled step built before the measurement where missing), warms it up, then for each
-batch size B queues B greedy requests of --new-tokens tokens at once and takes the median gap between one
-stream's tokens as the step time (its first gaps, which hold the prompts' reading, left out). Children
+batch size B queues B greedy requests of --new-tokens tokens at once, waits for every stream's first token
+(all prompts read), and takes the median gap between one stream's next tokens as the step time (its first
+gaps left out). --context N gives every request a prompt of N tokens (its question, then the others'
+repeated), so the step attends over N tokens and more: attention's cost grows with the context, the
+matmuls' does not. Children
 alternate per repeat (A, B, A, B, ...), one engine per process (two OpenMP pools in one process would
 oversubscribe the cores); the median over the repeats is reported, with tokens/s = B / step.
 
     python benchmarks/serve_step.py [--activations fp32,int16] [--batches 1,4,8,16] [--repeats 3]
-        [--new-tokens 128] [--threads N] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--no-compile]
-        [--out JSON]
+        [--new-tokens 128] [--context N] [--threads N] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default]
+        [--no-compile] [--out JSON]
 
 Writes benchmarks/results/serve_step.json (serve_step_avx2.json for --isa avx2; or --out) and prints a
 table. The JSON records the CPU and the level decoderlm ran at.
@@ -41,7 +44,8 @@ SKIP = 4  # gaps left out at a stream's start: the prompts' reading and the firs
 
 def child(args: argparse.Namespace) -> dict:
     """In this process: the engine `decoderlm serve` would build with these flags; per batch size, the median
-    ms between two tokens of the first stream (`steps`), and the arithmetic its block layers were given."""
+    ms between two tokens of the first stream (`steps`), the arithmetic its block layers were given and the
+    prompts' lengths."""
     from decoderlm.cli import build_parser
     from decoderlm.cli.common import load_model
     from decoderlm.cli.serve import in_passing_thread
@@ -62,9 +66,17 @@ def child(args: argparse.Namespace) -> dict:
         raise SystemExit(f"the compiled server step is unavailable: {engine.compiled.reason}")
     engine.start()
     try:
+        filler = tokenizer.encode(" ".join(f"Write a long story about {t}." for t in TOPICS))
+
+        def prompt(i: int) -> list[int]:
+            """Row i's question; with --context, the others' after it, repeated to --context tokens."""
+            ids = tokenizer.encode(f"Write a long story about {TOPICS[i % len(TOPICS)]}.")
+            return (ids + filler * (args.context // len(filler) + 1))[: args.context] if args.context else ids
+
         def step_ms(batch: int, tokens: int) -> float:
-            streams = [engine.add_request(tokenizer.encode(f"Write a long story about {TOPICS[i % len(TOPICS)]}."),
-                                          SamplingParams(temperature=0, max_new_tokens=tokens)) for i in range(batch)]
+            streams = [engine.add_request(prompt(i), SamplingParams(temperature=0, max_new_tokens=tokens)) for i in range(batch)]
+            for s in streams:  # every prompt read: the steps below decode every row
+                next(s)
             arrivals = [time.perf_counter() for _ in streams[0]]
             for s in streams[1:]:
                 for _ in s:
@@ -73,7 +85,8 @@ def child(args: argparse.Namespace) -> dict:
 
         step_ms(max(args.batches), SKIP + 8)  # warm-up: the step's first calls, at the largest batch
         layers = sorted({m.activations for m in engine.model.modules() if isinstance(m, BlockLinear)})
-        return {"steps": {b: step_ms(b, args.new_tokens) for b in args.batches}, "layers": layers}
+        return {"steps": {b: step_ms(b, args.new_tokens) for b in args.batches}, "layers": layers,
+                "prompt_tokens": sorted({len(prompt(i)) for i in range(max(args.batches))})}
     finally:
         engine.shutdown()
 
@@ -81,7 +94,7 @@ def child(args: argparse.Namespace) -> dict:
 def run_child(args: argparse.Namespace, activations: str) -> dict:
     """child() in a fresh process at --isa's level: {"steps": {rows: ms}, "layers": [arithmetic]}."""
     cmd = [sys.executable, __file__, "--child", activations, "--model", args.model, "--batches", ",".join(map(str, args.batches)),
-           "--new-tokens", str(args.new_tokens), "--compile" if args.compile else "--no-compile"]
+           "--new-tokens", str(args.new_tokens), "--context", str(args.context), "--compile" if args.compile else "--no-compile"]
     cmd += ["--threads", str(args.threads)] if args.threads else []
     env = os.environ if args.isa == "native" else isa.env(args.isa)
     root = str(Path(__file__).resolve().parents[1])
@@ -110,6 +123,7 @@ def main() -> None:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=0, help="each prompt's tokens (default: its question alone, ~10 tokens)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -129,11 +143,13 @@ def main() -> None:
     args.out = args.out or (RESULTS if args.isa == "native" else RESULTS.with_stem(f"{RESULTS.stem}_{args.isa}"))
     runs: dict[str, list[dict[int, float]]] = {a: [] for a in args.activations}
     layers: dict[str, list[str]] = {}
+    prompts: set[int] = set()
     for repeat in range(args.repeats):
         for a in args.activations:
             out = run_child(args, a)
             runs[a].append(out["steps"])
             layers[a] = out["layers"]
+            prompts.update(out["prompt_tokens"])
             print(f"--activations {a}, repeat {repeat}: " + ", ".join(f"{b} rows {ms:.2f} ms" for b, ms in runs[a][-1].items()), flush=True)
     results = {a: [{"rows": b, "step_ms": statistics.median(r[b] for r in rs), "repeats": [r[b] for r in rs]} for b in args.batches]
                for a, rs in runs.items()}
@@ -141,7 +157,7 @@ def main() -> None:
         for level in levels:
             level["tok_s"] = level["rows"] * 1e3 / level["step_ms"]
     meta = {"machine": isa.describe(), "decoderlm_isa": isa.native() if args.isa == "native" else args.isa, "threads": args.threads,
-            "step": "compiled" if args.compile else "eager", "new_tokens": args.new_tokens, "repeats": args.repeats, "model": args.model,
+            "step": "compiled" if args.compile else "eager", "new_tokens": args.new_tokens, "prompt_tokens": sorted(prompts), "repeats": args.repeats, "model": args.model,
             "schedule": "one engine per child process; per repeat every --activations in turn",
             "layers_activations": layers}  # what each engine's block layers computed with, as it reported
     args.out.parent.mkdir(parents=True, exist_ok=True)

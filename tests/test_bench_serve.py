@@ -75,11 +75,13 @@ def test_serve_step_times_every_batch_size_in_an_engine_built_as_serve_builds_it
     gguf = quality.tiny_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "serve_step.json"
     proc = subprocess.run([sys.executable, "benchmarks/serve_step.py", "--model", str(gguf), "--no-compile", "--activations", "fp32,int16",
-                           "--batches", "1,3", "--new-tokens", "12", "--repeats", "2", "--threads", "1", "--out", str(out)],
+                           "--batches", "1,3", "--new-tokens", "12", "--context", "40", "--repeats", "2", "--threads", "1",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["step"] == "eager" and result["threads"] == 1 and result["machine"]["isa"]
+    assert result["prompt_tokens"] == [40]  # every row's prompt, --context tokens
     assert result["layers_activations"] == {"fp32": ["fp32"], "int16": ["int16"]}  # serve's flag reached every block layer
     for arithmetic in ("fp32", "int16"):
         levels = result["results"][arithmetic]
