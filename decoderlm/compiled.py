@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import decoderlm
-from decoderlm import kernels
+from decoderlm import build_cache, kernels
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import Transformer
 from decoderlm.model.moe import MoE
@@ -91,6 +91,7 @@ def load_package(path: Path, step: nn.Module):
     int4 weights repacked at compile time) come from the package."""
     # The C++ loader itself: torch._inductor.aoti_load_package would import dynamo (~6 s) to wrap it.
     runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    build_cache.use(path)
     state = own_tensors(step)
     runner.load_constants({name: state[name] for name in runner.get_constant_fqns() if name in state}, False, False, True)
     return runner
@@ -249,5 +250,6 @@ class CompiledDecoder:
             with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
                 torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
+        build_cache.sweep(path.parent)  # packages no run has used for a month
         self.compiles += 1
 

@@ -95,15 +95,24 @@ def run_generate(checkpoint: Path, cache: Path, *flags: str, background: bool = 
 
 
 def test_a_second_process_loads_the_package_instead_of_compiling(checkpoint, package_dir):
+    """... and each build sweeps away what no run has used for a month (build_cache): an old kernel library
+    when the kernels are built, an old package when the step is; a load stamps the package as used."""
+    (package_dir / "compiled").mkdir()
+    month = time.time() - 40 * 86400
+    for old in (package_dir / "blocks-0ld.so", package_dir / "compiled" / "0ld.pt2"):
+        old.write_bytes(b"x")
+        os.utime(old, (month, month))
     eager = run_generate(checkpoint, package_dir)  # by default a package is used if there is one (none is built here: background builds are off)
-    assert COMPILING not in eager.stderr and not list(package_dir.rglob("*.pt2"))
+    assert COMPILING not in eager.stderr and list(package_dir.rglob("*.pt2")) == [package_dir / "compiled" / "0ld.pt2"]
+    assert not (package_dir / "blocks-0ld.so").exists()
     first = run_generate(checkpoint, package_dir, "--compile")
     assert first.stderr.count(COMPILING) == 1 and "eagerly" not in first.stderr, first.stderr
     packages = list((package_dir / "compiled").glob("*.pt2"))
-    assert len(packages) == 1
+    assert len(packages) == 1 and packages[0].name != "0ld.pt2"
     second = run_generate(checkpoint, package_dir, "--compile")
     assert COMPILING not in second.stderr and "eagerly" not in second.stderr, second.stderr
     assert list((package_dir / "compiled").glob("*.pt2")) == packages
+    assert packages[0].with_suffix(".used").is_file()
     assert first.stdout == second.stdout == eager.stdout
 
 

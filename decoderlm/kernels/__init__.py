@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import isa
+from decoderlm import build_cache, isa
 
 HERE = Path(__file__).parent
 # (source, its own flags): qdot.c twice, with int8 activations (x8) and with 16-bit ones in two int8 digits (x16)
@@ -75,6 +75,7 @@ def build(out: Path) -> None:
         lib = torch_dir / "lib"
         run(cxx, "-shared", "-fopenmp", *objects, f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}", "-o", str(part))
         os.replace(part, out)
+    build_cache.sweep(out.parent, "blocks-")  # libraries no run has used for a month
 
 
 @cache
@@ -90,6 +91,7 @@ def library() -> ctypes.CDLL | None:
             build(path)
         torch.ops.load_library(str(path))  # the operators' CPU kernels (their schemas are defined below)
         lib = ctypes.CDLL(str(path))  # after torch: its OpenMP runtime is the one the kernels share
+        build_cache.use(path)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("decoderlm's CPU kernels could not be built (%s); using torch's kernels", " ".join(detail.split())[:200])

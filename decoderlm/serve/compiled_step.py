@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoderlm import compiled, kernels
+from decoderlm import build_cache, compiled, kernels
 from decoderlm.model import Transformer
 from decoderlm.model.attention import Attention
 from decoderlm.quantize import Int4Linear
@@ -123,7 +123,9 @@ def released_steps():
         # package's binary is not there when the virtual environment was not activated.
         os.environ["PATH"] = os.pathsep.join([*ninja_folder(), path])
         folder.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(f"decoderlm_released_{key}", [str(RELEASED)], build_directory=str(folder), extra_cflags=["-O2"])
+        module = cpp_extension.load(f"decoderlm_released_{key}", [str(RELEASED)], build_directory=str(folder), extra_cflags=["-O2"])
+        build_cache.use(folder)
+        return module
     except Exception as e:  # noqa: BLE001 — torch's loader stays
         print(f"compiled server steps hold Python's GIL while they run ({compiled.one_line(e)})", file=sys.stderr, flush=True)
         return None
@@ -161,6 +163,7 @@ def load_released(path: Path, step: nn.Module):
             shutil.rmtree(part, ignore_errors=True)
     (library,) = folder.glob("*.so")
     runner = module.Step(str(library))
+    build_cache.use(path)
     state = compiled.own_tensors(step)
     runner.constants({name: state[fqn] for name, fqn in runner.fqns().items()})
     return runner
@@ -232,4 +235,5 @@ class CompiledPagedStep:
             with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
                 torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, self.path)  # atomic: a concurrent run never loads half a package
+        build_cache.sweep(self.path.parent)  # packages no run has used for a month
 
