@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(args: argparse.Namespace, activations: str) -> dict:
-    """child() in a fresh process at --isa's level: {"steps": {rows: ms}, "layers": [arithmetic]}."""
+    """child() in a fresh process at --isa's level: {"steps": {rows: ms}, "layers": [arithmetic], "prompt_tokens": [n]}."""
     cmd = [sys.executable, __file__, "--child", activations, "--model", args.model, "--batches", ",".join(map(str, args.batches)),
            "--new-tokens", str(args.new_tokens), "--context", str(args.context), "--compile" if args.compile else "--no-compile"]
     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -135,6 +135,8 @@ def main() -> None:
     args = p.parse_args()
     if args.new_tokens <= SKIP + 1:
         raise SystemExit(f"--new-tokens must be more than {SKIP + 1}: the first {SKIP} gaps are left out")
+    if args.context < 0:
+        raise SystemExit(f"--context must be a number of tokens >= 0 (0: each question alone), got {args.context}")
     if args.child:
         print(json.dumps(child(args)))
         return

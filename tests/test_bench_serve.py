@@ -92,10 +92,12 @@ def test_serve_step_times_every_batch_size_in_an_engine_built_as_serve_builds_it
     assert "| 3 |" in proc.stdout
 
 
-def test_serve_step_refuses_too_few_tokens_to_time_a_step() -> None:
-    proc = subprocess.run([sys.executable, "benchmarks/serve_step.py", "--new-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
+@pytest.mark.parametrize("flags, message", [(["--new-tokens", "3"], "--new-tokens must be more than"),
+                                            (["--context", "-5"], "--context must be a number of tokens >= 0")])
+def test_serve_step_refuses_what_it_cannot_time(flags: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/serve_step.py", *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, check=False)
-    assert proc.returncode != 0 and "--new-tokens must be more than" in proc.stderr
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"), reason="per-thread CPU needs Linux's schedstat")

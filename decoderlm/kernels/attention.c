@@ -18,6 +18,7 @@
  */
 #include <stdlib.h>
 
+#include "stream.h"
 #include "vec.h"
 
 static inline float dot(const float *a, const float *b, int64_t D) {
@@ -105,8 +106,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
     int64_t l = 0;
     for (; l + VL <= L; l += VL) {
         const float *const *kl = kp + l;
-        for (int64_t j = l + VL; j < l + 2 * VL && j < L; j++)  /* the next keys, while these are read */
-            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(kp[j] + i);
+        for (int64_t j = l + VL; j < l + 2 * VL && j < L; j++) prefetch(kp[j], D * sizeof(float));  /* the next keys */
         const vf m = mask ? loadf(mask + l) : (vf){0};
         for (int64_t h = 0; h < G; h++) {
             const float *qg = q + h * qh;
@@ -140,8 +140,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
     memset(acc, 0, G * Dv * sizeof(float));
     for (int64_t l0 = 0; l0 < L; l0 += LB) {
         const int64_t l1 = l0 + LB < L ? l0 + LB : L;
-        for (int64_t l = l1; l < l1 + LB && l < L; l++)  /* the next block, while this one is read */
-            for (int64_t i = 0; i < Dv; i += 16) __builtin_prefetch(vp[l] + i);
+        for (int64_t l = l1; l < l1 + LB && l < L; l++) prefetch(vp[l], Dv * sizeof(float));  /* the next block */
         for (int64_t h = 0; h < G; h++) {
             const float *sh = s + h * padded;
             float *ah = acc + h * Dv;

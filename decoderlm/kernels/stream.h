@@ -1,7 +1,8 @@
 /* Streaming the weights: the bytes of NR outputs' blocks (NR: the including kernel's tile), asked for
  * AHEAD tiles before they are used. Reading a model's matrices one after another from memory, with other
  * work between them, the hardware prefetchers alone left the kernels waiting on most loads (blocks.c's
- * LM head; qdot.c's layers took twice their time inside a decode step than called back to back). */
+ * LM head; qdot.c's layers took twice their time inside a decode step than called back to back). attention.c
+ * prefetches a paged cache's keys and values with `prefetch`: its blocks lie anywhere in the pool. */
 #pragma once
 #include <stdint.h>
 
