@@ -65,6 +65,18 @@ def test_a_rows_result_does_not_depend_on_the_batch(rows, pick, kind, k_blocks):
     assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1])
 
 
+@pytest.mark.parametrize("kind", QTYPES)
+def test_every_batch_size_gives_each_row_its_own_bits(kind):
+    """1-25 rows: every tile size (AVX2's go to 12 rows) and every way a batch is split into tiles gives
+    each row what it gives alone."""
+    torch.manual_seed(0)
+    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(9, 32 * 20) * 0.05, kind))
+    x = torch.randn(25, 32 * 20)
+    alone = torch.cat([layer(x[r : r + 1]) for r in range(25)])
+    for rows in range(1, 26):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
 def test_float_weights_take_the_int4_grid_and_q8_blocks():
     """Float weights (an HF checkpoint) go on the 4-bit grid int4_grid picks, or on Q8_0's: the layer
     computes with exactly those values."""
