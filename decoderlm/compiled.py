@@ -85,6 +85,12 @@ def building(path: Path) -> bool:
     return True
 
 
+def build_ended(path: Path) -> None:
+    """A build of the package `path` has ended (the package in place, or its failure recorded): its pid file
+    goes, so that a later process given the same pid never passes for a build in progress."""
+    path.with_suffix(".building").unlink(missing_ok=True)
+
+
 def load_package(path: Path, step: nn.Module):
     """The package at `path`, computing with `step`'s own parameters and buffers: ours, user-managed (no
     copy), so the weights and cache buffers an eager forward writes are the ones it reads. The rest (e.g.
@@ -223,6 +229,8 @@ class CompiledDecoder:
                     failed.parent.mkdir(parents=True, exist_ok=True)
                     failed.write_text(one_line(e))
                     raise
+                finally:
+                    build_ended(path)
             runner = load_package(path, DecodeStep(self.model, cache))
         except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
             print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",

@@ -144,6 +144,10 @@ def test_by_default_a_missing_step_is_built_in_the_background_for_later_runs(che
     while not list(folder.glob("*.pt2")):  # `decoderlm compile`, started by the first run, outlives it
         assert not list(folder.glob("*.failed")) and time.monotonic() < deadline, next(folder.glob("*.log")).read_text()
         time.sleep(1)
+    deadline = time.monotonic() + 60
+    while list(folder.glob("*.building")):  # the build's pid file goes with it: a reused pid is no build
+        assert time.monotonic() < deadline, "the ended build left its pid file"
+        time.sleep(0.2)
     second = run_generate(checkpoint, cache, background=True)
     assert "background" not in second.stderr and COMPILING not in second.stderr, second.stderr
     assert second.stdout == first.stdout and len(list(folder.glob("*.pt2"))) == 1

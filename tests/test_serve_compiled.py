@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import decoderlm
+from decoderlm import compiled
 from decoderlm.cli import build_parser
 from decoderlm.cli.serve import parse_size, serve_activations, server_compile_flags
 from decoderlm.sampling import SamplingParams
@@ -204,6 +205,23 @@ def test_a_failed_build_serves_eagerly_and_is_not_retried(tmp_path, monkeypatch)
     while second.has_work():
         second.step()
     assert [o.token_id for o in stream][-1] is not None
+
+
+def test_an_ended_build_takes_its_pid_file(tmp_path, monkeypatch):
+    """A background build's pid file (`compiled.build_later` writes it) goes when the build ends, failed here:
+    a later process given the same pid would pass for a build in progress (pid 1 always does)."""
+    def failing_export(*args, **kwargs):
+        raise RuntimeError("no export here")
+
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.export, "export", failing_export)
+    model = tiny_model(vocab_size=64)
+    pid_file = Engine(model, max_batch=2, num_blocks=16, compile=None).compiled.path.with_suffix(".building")
+    pid_file.parent.mkdir(parents=True)
+    pid_file.write_text("1")
+    assert compiled.building(pid_file.with_suffix(".pt2"))
+    assert not Engine(model, max_batch=2, num_blocks=16, compile=True).compiled.ready()
+    assert not pid_file.exists() and not compiled.building(pid_file.with_suffix(".pt2"))
 
 
 def test_a_server_says_its_decode_arithmetic_and_a_one_row_server_decodes_as_chat(tmp_path):

@@ -7,9 +7,8 @@
  *
  * The weights are read once per call however many rows x has: each block is unpacked once for up to 12
  * rows of x at AVX2, 8 at AVX-512 (4 at the SSE level, where more rows share one unpacking through a
- * buffer). Every (row,
- * output) pair is summed by the same sequence of operations whatever the number of rows, so a row's
- * result never depends on what else is in the batch.
+ * buffer). Every (row, output) pair is summed by the same sequence of operations whatever the number of
+ * rows, so a row's result never depends on what else is in the batch.
  *
  * This file is compiled once per instruction set with VL = floats per vector (16: AVX-512, 8: AVX2,
  * 4: SSE2) and NAME = the suffix of its entry points; GCC's vector extensions become that ISA's code.

@@ -211,6 +211,8 @@ class CompiledPagedStep:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.path.with_suffix(".failed").write_text(self.reason)
                 print(f"compiled server step unavailable ({self.reason}); decoding eagerly", file=sys.stderr, flush=True)
+            finally:
+                compiled.build_ended(self.path)
         return self.ready()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
