@@ -27,6 +27,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,10 +86,29 @@ def building(path: Path) -> bool:
     return True
 
 
-def build_ended(path: Path) -> None:
-    """A build of the package `path` has ended (the package in place, or its failure recorded): its pid file
-    goes, so that a later process given the same pid never passes for a build in progress."""
-    path.with_suffix(".building").unlink(missing_ok=True)
+def build_package(path: Path, model: Transformer, export: Callable[[], torch.export.ExportedProgram]) -> None:
+    """Build the package `path` of the program `export()` gives for `model`: written whole or not at all. A
+    failure is recorded in `path`.failed (not tried again on every run) and raised. Either way a background
+    build's pid file goes, so that a later process given the same pid never passes for a build in progress;
+    a new package sweeps away those no run has used for a month."""
+    try:
+        with torch.inference_mode(False), torch.no_grad():  # the buffers must be ordinary tensors to be exported
+            program = export()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+            # Without the weights where none is derived from them (decoderlm's blocks go to its kernels as
+            # they are): the package stays a few MB, and loading it reads no second copy of the model.
+            own = not any(isinstance(m, Int4Linear) for m in model.modules())
+            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
+    except Exception as e:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".failed").write_text(one_line(e))
+        raise
+    finally:
+        path.with_suffix(".building").unlink(missing_ok=True)
+    build_cache.sweep(path.parent)
 
 
 def load_package(path: Path, step: nn.Module):
@@ -223,14 +243,7 @@ class CompiledDecoder:
             if not path.is_file():
                 print(f"compiling the decode step once for this model and machine (cached in {path.parent})",
                       file=sys.stderr, flush=True)
-                try:
-                    self._compile(DecodeStep(self.model, cache), path)
-                except Exception as e:
-                    failed.parent.mkdir(parents=True, exist_ok=True)
-                    failed.write_text(one_line(e))
-                    raise
-                finally:
-                    build_ended(path)
+                self._compile(DecodeStep(self.model, cache), path)
             runner = load_package(path, DecodeStep(self.model, cache))
         except Exception as e:  # noqa: BLE001 — any failure leaves the eager path, which is always right
             print(f"compiled decoding unavailable ({e if isinstance(e, CompileFailed) else one_line(e)}); decoding eagerly",
@@ -248,16 +261,6 @@ class CompiledDecoder:
         """Export the step for one token and build its package."""
         param = next(self.model.parameters())
         example = (torch.zeros(1, 1, dtype=torch.long, device=param.device), torch.zeros((), dtype=torch.long, device=param.device))
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(step, example)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-            # Without the weights where none is derived from them (decoderlm's blocks go to its kernels as
-            # they are): the package stays a few MB, and loading it reads no second copy of the model.
-            own = not any(isinstance(m, Int4Linear) for m in self.model.modules())
-            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-        os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
-        build_cache.sweep(path.parent)  # packages no run has used for a month
+        build_package(path, self.model, lambda: torch.export.export(step, example))
         self.compiles += 1
 

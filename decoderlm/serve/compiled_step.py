@@ -35,7 +35,6 @@ from torch import nn
 from decoderlm import build_cache, compiled, kernels
 from decoderlm.model import Transformer
 from decoderlm.model.attention import Attention
-from decoderlm.quantize import Int4Linear
 from decoderlm.serve.paged_cache import BlockPool
 
 
@@ -206,13 +205,9 @@ class CompiledPagedStep:
                   file=sys.stderr, flush=True)
             try:
                 self._compile()
-            except Exception as e:  # noqa: BLE001 — the eager step stays
+            except Exception as e:  # noqa: BLE001 — the eager step stays (the failure recorded: not tried again)
                 self.reason = compiled.one_line(e)
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.path.with_suffix(".failed").write_text(self.reason)
                 print(f"compiled server step unavailable ({self.reason}); decoding eagerly", file=sys.stderr, flush=True)
-            finally:
-                compiled.build_ended(self.path)
         return self.ready()
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -229,13 +224,6 @@ class CompiledPagedStep:
         if self.max_batch > 1:
             batch = torch.export.Dim("batch", min=1, max=self.max_batch)
             dynamic = ({0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch})
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(PagedStep(self.model, self.pool), example, dynamic_shapes=dynamic)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp.pt2")
-            own = not any(isinstance(m, Int4Linear) for m in self.model.modules())  # as decoderlm.compiled decides
-            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-        os.replace(tmp, self.path)  # atomic: a concurrent run never loads half a package
-        build_cache.sweep(self.path.parent)  # packages no run has used for a month
+        compiled.build_package(self.path, self.model,
+                               lambda: torch.export.export(PagedStep(self.model, self.pool), example, dynamic_shapes=dynamic))
 
