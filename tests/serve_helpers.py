@@ -67,10 +67,11 @@ class ThreadServer:
         import uvicorn
 
         from decoderlm.cli.serve import bind
+        from decoderlm.serve.api import server_config
 
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app))  # as `decoderlm serve` runs
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:
