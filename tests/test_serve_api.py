@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import time
 
 import httpx
@@ -132,6 +133,7 @@ def test_work_before_the_engine_runs_on_a_thread_that_has_ended():
         in_passing_thread(lambda: (_ for _ in ()).throw(DecoderLMError("bad")))
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build (not a dependency there)")
 def test_the_server_runs_on_uvloop_and_httptools():
     """Both are dependencies: with asyncio's loop and h11 the loop's thread takes ~1.5x the CPU per streamed
     token, from the decode step's cores."""
