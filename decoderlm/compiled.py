@@ -111,6 +111,13 @@ def build_package(path: Path, model: Transformer, export: Callable[[], torch.exp
     build_cache.sweep(path.parent)
 
 
+def earlier_failure(path: Path) -> str | None:
+    """Why the package `path` failed to build before (`build_package` recorded it), with how to retry; None if
+    it did not. A failed build is not tried again on every run."""
+    failed = path.with_suffix(".failed")
+    return f"{failed.read_text()} (earlier; delete {failed} to retry)" if failed.is_file() else None
+
+
 def load_package(path: Path, step: nn.Module):
     """The package at `path`, computing with `step`'s own parameters and buffers: ours, user-managed (no
     copy), so the weights and cache buffers an eager forward writes are the ones it reads. The rest (e.g.
@@ -134,7 +141,7 @@ def build_later(path: Path, flags: list[str], what: str) -> None:
     DECODERLM_BACKGROUND_COMPILE is off; one line on stderr says so."""
     if os.environ.get("DECODERLM_BACKGROUND_COMPILE", "on").lower() in ("0", "off", "no"):
         return
-    if path.with_suffix(".failed").is_file() or building(path):
+    if earlier_failure(path) or building(path):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     log = path.with_suffix(".log")
@@ -234,12 +241,9 @@ class CompiledDecoder:
         param = next(self.model.parameters())
         with torch.inference_mode(False):  # the buffers must be ordinary tensors to be exported
             cache = StaticKVCache(self.model.config, 1, size, dtype=param.dtype, device=param.device)
-        failed = path.with_suffix(".failed")  # a model that cannot be compiled is not tried again on every run
         try:
-            if reason := not_compilable(self.model):
+            if reason := not_compilable(self.model) or earlier_failure(path):
                 raise CompileFailed(reason)
-            if failed.is_file():
-                raise CompileFailed(f"{failed.read_text()} (earlier; delete {failed} to retry)")
             if not path.is_file():
                 print(f"compiling the decode step once for this model and machine (cached in {path.parent})",
                       file=sys.stderr, flush=True)

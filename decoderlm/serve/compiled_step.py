@@ -179,8 +179,7 @@ class CompiledPagedStep:
         shape = f"paged {pool.num_blocks}x{pool.block_size} rows {max_batch} table {self.width}"
         self.path = compiled.cache_dir() / f"{compiled.cache_key(model, shape)}.pt2"
         self.runner = None
-        failed = self.path.with_suffix(".failed")  # a step that failed to build is not tried again on every start
-        self.reason = unsupported(model) or (f"{failed.read_text()} (earlier; delete {failed} to retry)" if failed.is_file() else None)
+        self.reason = unsupported(model) or compiled.earlier_failure(self.path)
 
     def ready(self) -> bool:
         """Whether the step can run: loaded now, if its package exists and loading it works."""
