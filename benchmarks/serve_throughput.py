@@ -1,7 +1,8 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
-(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in fp32 arithmetic, through the compiled
+(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in the server's arithmetic for the CPU level
+(int16 at AVX-512, fp32 below; `decoderlm serve --help`), through the compiled
 server step, built before the measurement where missing; `--no-compile`: eager steps), with each --activations
 asked for (int16 is the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
 float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
@@ -281,7 +282,7 @@ def main() -> None:
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
     p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=[],
-                   help="also serve the default mode with these --activations, e.g. int16, chat's (serve's own is fp32; "
+                   help="also serve the default mode with these --activations, e.g. int16 or fp32 (serve's own: int16 at AVX-512, fp32 below; "
                         "a model without block layers refuses int16 and int8; default: none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,

@@ -13,6 +13,7 @@ import torch
 from conftest import corpus_text
 
 import decoderlm
+from decoderlm import isa
 from decoderlm.cli import build_parser, main
 from decoderlm.cli.serve import serve_activations
 from decoderlm.loader import load
@@ -209,15 +210,21 @@ def test_the_installed_entry_point_reports_errors_without_traceback(tmp_path, ru
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_a_batching_server_decodes_in_fp32_arithmetic_and_chat_and_a_one_row_server_in_int16():
-    """`serve` decodes batches of rows, which run faster in fp32 arithmetic than with int16 activations
-    (benchmarks/results/serve_step_avx2.json), in one arithmetic for every batch size; with --max-batch 1 every
-    step is one row, as in `chat`, `generate` and `compile`: auto (int16). An explicit --activations wins."""
+def test_a_batching_server_decodes_in_fp32_below_avx512_and_in_int16_at_avx512_and_with_one_row():
+    """`serve` decodes every batch size in one arithmetic, the fastest over batches at the CPU's level: below
+    AVX-512 batches of rows run faster in fp32 than with int16 activations (benchmarks/results/serve_step_avx2.json),
+    at AVX-512 int16 is as fast in batches and faster for one row (serve_step_avx512.json); with --max-batch 1
+    every step is one row, as in `chat`, `generate` and `compile`: auto (int16). An explicit --activations wins."""
     defaults = {name: a.default for name, p in parsers(build_parser()) for a in p._actions if a.dest == "activations"}
     assert defaults["decoderlm chat"] == defaults["decoderlm generate"] == defaults["decoderlm compile"] == "auto"
     parser = build_parser()
-    assert serve_activations(parser.parse_args(["serve"])) == "fp32"
-    assert serve_activations(parser.parse_args(["serve", "--max-batch", "2"])) == "fp32"
-    assert serve_activations(parser.parse_args(["serve", "--max-batch", "1"])) == "auto"
-    assert serve_activations(parser.parse_args(["serve", "--max-batch", "1", "--activations", "fp32"])) == "fp32"
-    assert serve_activations(parser.parse_args(["serve", "--activations", "int8"])) == "int8"
+    for level in ("default", "avx2"):
+        assert serve_activations(parser.parse_args(["serve"]), level) == "fp32"
+        assert serve_activations(parser.parse_args(["serve", "--max-batch", "2"]), level) == "fp32"
+        assert serve_activations(parser.parse_args(["serve", "--max-batch", "1"]), level) == "auto"
+    assert serve_activations(parser.parse_args(["serve"]), "avx512") == "auto"
+    assert serve_activations(parser.parse_args(["serve", "--max-batch", "1"]), "avx512") == "auto"
+    assert serve_activations(parser.parse_args(["serve"])) == ("auto" if isa.current() == "avx512" else "fp32")  # this process's level
+    for level in ("default", "avx2", "avx512"):
+        assert serve_activations(parser.parse_args(["serve", "--max-batch", "1", "--activations", "fp32"]), level) == "fp32"
+        assert serve_activations(parser.parse_args(["serve", "--activations", "int8"]), level) == "int8"

@@ -96,8 +96,8 @@ QUANTIZE_HELP = {
 
 ACTIVATIONS_HELP = {  # the default's description, by the default
     "auto": "auto: int16 where it applies",
-    None: "fp32 for a server that batches, whose batches of rows run faster in fp32 arithmetic than in int16; "
-          "auto with --max-batch 1, where every step is one row",
+    None: "auto at the AVX-512 level and with --max-batch 1; fp32 for a server that batches below AVX-512, "
+          "where batches of rows run faster in fp32 arithmetic than in int16",
 }
 
 
@@ -105,7 +105,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
     """How to run the model: every command that runs one takes these; commands that decode token by
     token (generate, chat) also take --compile. `quantize`: the --quantize default (auto for the
     commands that serve a user, none for those that measure the model); `activations`: the
-    --activations default (None for the server: chosen by its batch size, `serve.serve_activations`)."""
+    --activations default (None for the server: chosen by its batch size and CPU level, `serve.serve_activations`)."""
     add_dtype_flag(p)
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", *MODES],
                    help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "

@@ -50,11 +50,18 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
                         "builds it in the background, and switches to it when it is ready; --no-compile: always eager")
 
 
-def serve_activations(args: argparse.Namespace) -> str:
-    """--activations as given, or the server's default: fp32 where steps are batches (a row's result must not
-    depend on its company, so every batch size decodes in one arithmetic, and from 4 rows fp32's is the
-    faster); with --max-batch 1 every step is one row, and auto (int16, `chat`'s arithmetic) is faster."""
-    return args.activations or ("auto" if args.max_batch == 1 else "fp32")
+def serve_activations(args: argparse.Namespace, level: str | None = None) -> str:
+    """--activations as given, or the server's default. Every batch size decodes in one arithmetic (a row's
+    result must not depend on its company), so the default is the one fastest over the batch sizes at the
+    CPU level torch runs at (`level`, default the process's): auto (int16, `chat`'s arithmetic) at AVX-512,
+    where it is as fast as fp32 in batches and faster for one row (serve_step_avx512.json), and with
+    --max-batch 1, where every step is one row; fp32 below AVX-512, whose batches from 4 rows run faster in
+    fp32 (serve_step_avx2.json)."""
+    if args.activations:
+        return args.activations
+    from decoderlm import isa
+
+    return "auto" if args.max_batch == 1 or (level or isa.current()) == "avx512" else "fp32"
 
 
 def server_compile_flags(args: argparse.Namespace) -> list[str]:
