@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from decoderlm import compiled
+from decoderlm import compiled, isa
 from decoderlm.cli.common import add_model_flags, add_model_source, compile_flags, load_model, model_source
 from decoderlm.errors import DecoderLMError
 from decoderlm.names import DEFAULT_MODEL
@@ -59,8 +59,6 @@ def serve_activations(args: argparse.Namespace, level: str | None = None) -> str
     fp32 (serve_step_avx2.json)."""
     if args.activations:
         return args.activations
-    from decoderlm import isa
-
     return "auto" if args.max_batch == 1 or (level or isa.current()) == "avx512" else "fp32"
 
 
