@@ -232,16 +232,18 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) ->
     return acc[..., 0]
 
 
+@pytest.mark.parametrize("blocks", [18, 50])
 @pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
-def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations):
+def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, blocks):
     """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
     arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
-    a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one."""
+    a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one; 50: rows long
+    enough that int16's batch path takes its 5 rows in two passes over the weights (2 and 3 rows)."""
     torch.manual_seed(8)
-    b = file_blocks(torch.randn(45, 32 * 18) * 0.05, kind)
+    b = file_blocks(torch.randn(45, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)
-    x = torch.randn(5, 32 * 18)
+    x = torch.randn(5, 32 * blocks)
     name = ("q8" if layer.block_offsets is None else "q4") + kernels.ROUNDED[activations] + "_matmul"
     levels = [lv for lv in kernels.VARIANTS if lv in isa.supported()]
     assert levels
@@ -253,13 +255,15 @@ def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(k
 
 
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(2, 21), pick=st.data(), kind=st.sampled_from(QTYPES), activations=st.sampled_from(ROUNDED))
-def test_rounded_activations_keep_a_rows_result_apart_from_the_batch(rows, pick, kind, activations):
-    """A decode step of many sequences (B, 1, in), bit for bit each sequence's own step."""
+@given(rows=st.integers(2, 21), pick=st.data(), kind=st.sampled_from(QTYPES), activations=st.sampled_from(ROUNDED),
+       k_blocks=st.sampled_from([5, 45]))
+def test_rounded_activations_keep_a_rows_result_apart_from_the_batch(rows, pick, kind, activations, k_blocks):
+    """A decode step of many sequences (B, 1, in), bit for bit each sequence's own step (45 blocks: int16
+    takes a batch in passes of at most 5 rows, 8 or fewer a weight row at a time)."""
     torch.manual_seed(rows)
-    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(37, 160) * 0.05, kind))
+    layer = q.BlockLinear.from_blocks(file_blocks(torch.randn(37, 32 * k_blocks) * 0.05, kind))
     layer.activations = activations
-    x = torch.randn(rows, 1, 160)
+    x = torch.randn(rows, 1, 32 * k_blocks)
     whole = layer(x)
     i = pick.draw(st.integers(0, rows - 1))
     assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1])

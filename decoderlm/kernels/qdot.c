@@ -194,6 +194,24 @@ static inline vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
 static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
 #endif
 
+/* The largest lane of v (exact: any order gives it), in hsum's steps. */
+static inline float hmax(vf v) {
+#if VL == 16
+    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
+#elif VL == 8
+    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3}));
+    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1}));
+    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0}));
+#else
+    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1}));
+    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0}));
+#endif
+    return v[0];
+}
+
 /* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
 static inline float hsum_quad(const vf acc[NV]) {
 #if NV == 1
@@ -206,6 +224,7 @@ static inline float hsum_quad(const vf acc[NV]) {
 }
 
 typedef int8_t vb __attribute__((vector_size(VL)));
+typedef int16_t vs __attribute__((vector_size(2 * VL)));
 
 #if DIGITS == 2
 /* Where input k of block j of a quad goes among the quad's 128 values in pair order (`pairs`): vector i of
@@ -213,6 +232,16 @@ typedef int8_t vb __attribute__((vector_size(VL)));
 static inline int pair_at(int j, int k) {
     const int b = k % 16, lane = 4 * j + b / 4, t = 2 * (k / 16) + (b & 1), e = (b & 3) >> 1;
     return ((lane / VL * 4 + t) * VL + lane % VL) * 2 + e;
+}
+typedef int16_t vh32 __attribute__((vector_size(64)));
+/* Block j's 32 values v into its quad's pairs: for each pair t, its four lanes' pairs (eight values, together). */
+static inline void block_pairs(const int16_t v[32], int j, int16_t *quad) {
+    vh32 a, s;
+    memcpy(&a, v, 64);
+    s = __builtin_shufflevector(a, a, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  /* t = 0, 1 */
+                                16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31);  /* t = 2, 3 */
+    static const int first[4] = {0, 1, 16, 17};  /* input k of a lane's first pair t */
+    for (int t = 0; t < 4; t++) memcpy(quad + pair_at(j, first[t]), (const int16_t *)&s + 8 * t, 16);
 }
 #endif
 
@@ -230,26 +259,34 @@ static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) 
             const float *xb = x + (4 * p + j) * 32;
             vf top = {0};
             for (int i = 0; i < 32; i += VL) top = vmax(top, vabs(loadf(xb + i)));
-            float amax = 0;
-            for (int l = 0; l < VL; l++) amax = fmaxf(amax, top[l]);
+            const float amax = hmax(top);
             const float dx = amax / QMAX, inv = amax > 0 ? QMAX / amax : 0;
             vi sum = {0};
+#if DIGITS == 2
+            int16_t v16[32];  /* the block's values, for `pairs` */
+#endif
             for (int i = 0; i < 32; i += VL) {
                 const vi v = __builtin_convertvector(vround(loadf(xb + i) * inv), vi);
                 const int at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
 #if DIGITS == 2
-                /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
-                const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
-                const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
-                memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
-                if (pairs)
-                    for (int l = 0; l < VL; l++) pairs[128 * p + pair_at(j, i + l)] = (int16_t)v[l];
+                if (pairs) {  /* a batch reads the pairs only */
+                    const vs h16 = __builtin_convertvector(v, vs);
+                    memcpy(v16 + i, &h16, 2 * VL);
+                } else {
+                    /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
+                    const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
+                    const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
+                    memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
+                }
 #else
                 const vb b = __builtin_convertvector(v, vb);
                 memcpy(o->q[0] + at, &b, VL);
 #endif
                 sum += v;
             }
+#if DIGITS == 2
+            if (pairs) block_pairs(v16, j, pairs + 128 * p);
+#endif
             int32_t total = 0;
             for (int l = 0; l < VL; l++) total += sum[l];
             for (int l = 0; l < 4; l++) o->dx[4 * j + l] = dx;
@@ -383,16 +420,17 @@ static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const xquad *xs, int
     }                                                                                                     \
     for (int r = 0; r < R; r++) y[r * N + n] = hsum_quad(out[r]);                                         \
 }
+/* BATCH: output n for rows [r, r + R), RB at a time. */
 #define BATCH(KIND) WIDE_QUAD(KIND) WIDE(KIND, 1) WIDE(KIND, 2) WIDE(KIND, 3) WIDE(KIND, 4) WIDE(KIND, 5)  \
                     WIDE(KIND, 6) WIDE(KIND, 7) WIDE(KIND, 8)                                             \
-static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t M, int64_t K, const void *q, \
+static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t r, int64_t R, int64_t K, const void *q, \
         const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {                           \
     const int64_t P = (K / 32 + 3) / 4;                                                                   \
-    for (int64_t r = 0; r < M; r += RB) {                                                                 \
+    for (int64_t e = r + R; r < e; r += RB) {                                                             \
         const int16_t *xr = xp + r * P * 128;                                                             \
         const xquad *sr = xs + r * P;                                                                     \
         float *yr = y + r * N;                                                                            \
-        switch (M - r < RB ? (int)(M - r) : RB) {                                                         \
+        switch (e - r < RB ? (int)(e - r) : RB) {                                                         \
         case 1: CAT(wide_##KIND##_1, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
         case 2: CAT(wide_##KIND##_2, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
         case 3: CAT(wide_##KIND##_3, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
@@ -404,11 +442,15 @@ static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t M
         }                                                                                                 \
     }                                                                                                     \
 }
-#define WIDE_ONE(KIND, n) CAT(wide_##KIND, NAME)(xp, xs, M, K, q, d, m, n, y, N)
+/* Rows a pass over the weights: as many as keep their pairs, dx and sx (384 bytes a quad) within 24 KB of
+ * the L1 cache (a pass over them a weight row). */
+static inline int64_t pass_rows(int64_t P) { const int64_t r = 24576 / (384 * P); return r < 1 ? 1 : r; }
+#define WIDE_ONE(KIND, r, R, n) CAT(wide_##KIND, NAME)(xp, xs, r, R, K, q, d, m, n, y, N)
 #else
 #define MB (1 << 30)
 #define BATCH(KIND)
-#define WIDE_ONE(KIND, n) ((void)0)  /* never: no batch path (MB) */
+static inline int64_t pass_rows(int64_t P) { (void)P; return 1; }
+#define WIDE_ONE(KIND, r, R, n) ((void)0)  /* never: no batch path (MB) */
 #endif
 
 /* y (M, N) = x (M, K) · Wᵀ: outputs split between threads in tiles of NR (the last, partial tile one
@@ -438,13 +480,25 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp + r * P * 128);     \
         }                                                                                                 \
-        _Pragma("omp for schedule(static)")                                                               \
-        for (int64_t t = 0; t <= tiles; t++) {                                                            \
-            if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                         \
-            const int64_t n0 = t * NR, n1 = t < tiles ? n0 + NR : N;                                      \
-            if (xp) for (int64_t n = n0; n < n1; n++) WIDE_ONE(KIND, n);                                  \
-            else if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n0, 1, y, N);                \
-            else for (int64_t n = n0; n < n1; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
+        if (xp) {  /* a batch: its rows in passes, each through all of this thread's outputs (the same each pass) */ \
+            const int64_t cap = pass_rows(P), passes = (M + cap - 1) / cap;                              \
+            for (int64_t i = 0, r = 0; i < passes; i++) {                                                 \
+                const int64_t R = (M - r) / (passes - i);  /* rows split evenly between the passes */     \
+                _Pragma("omp for schedule(static) nowait")                                                \
+                for (int64_t t = 0; t <= tiles; t++) {                                                    \
+                    if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                 \
+                    for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) WIDE_ONE(KIND, r, R, n); \
+                }                                                                                         \
+                r += R;                                                                                   \
+            }                                                                                             \
+        } else {                                                                                          \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t t = 0; t <= tiles; t++) {                                                        \
+                if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                     \
+                const int64_t n0 = t * NR, n1 = t < tiles ? n0 + NR : N;                                  \
+                if (t < tiles) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n0, 1, y, N);                 \
+                else for (int64_t n = n0; n < n1; n++) CAT(columns_##KIND, NAME)(xs, M, K, q, d, m, n, 0, y, N); \
+            }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
     free(xs);                                                                                             \
