@@ -194,23 +194,8 @@ static inline vf vmax(vf a, vf b) { return _mm_max_ps(a, b); }
 static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); }
 #endif
 
-/* The largest lane of v (exact: any order gives it), in hsum's steps. */
-static inline float hmax(vf v) {
-#if VL == 16
-    v = vmax(v, __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}));
-#elif VL == 8
-    v = vmax(v, __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3}));
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1, 2, 3, 0, 1}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0, 1, 0, 1, 0}));
-#else
-    v = vmax(v, __builtin_shuffle(v, (vi){2, 3, 0, 1}));
-    v = vmax(v, __builtin_shuffle(v, (vi){1, 0, 1, 0}));
-#endif
-    return v[0];
-}
+/* The largest lane of v (exact: any order gives it). */
+static inline float hmax(vf v) { return FOLD(v, vmax); }
 
 /* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
 static inline float hsum_quad(const vf acc[NV]) {
@@ -443,7 +428,7 @@ static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t r
     }                                                                                                     \
 }
 /* Rows a pass over the weights: as many as keep their pairs, dx and sx (384 bytes a quad) within 24 KB of
- * the L1 cache (a pass over them a weight row). */
+ * the L1 cache, since every output of the pass reads them all. */
 static inline int64_t pass_rows(int64_t P) { const int64_t r = 24576 / (384 * P); return r < 1 ? 1 : r; }
 #define WIDE_ONE(KIND, r, R, n) CAT(wide_##KIND, NAME)(xp, xs, r, R, K, q, d, m, n, y, N)
 #else
