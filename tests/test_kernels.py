@@ -232,25 +232,26 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) ->
     return acc[..., 0]
 
 
-@pytest.mark.parametrize("blocks", [18, 50])
+@pytest.mark.parametrize("blocks, outputs", [(18, 45), (50, 45), (18, 3000)])
 @pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
-def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, blocks):
+def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, blocks, outputs):
     """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
     arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
     a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one; 50: rows long
-    enough that int16's batch path takes its 5 rows in two passes over the weights (2 and 3 rows)."""
+    enough that int16's batch path takes its 5 rows in two passes over the weights (2 and 3 rows); 3000
+    outputs: each thread's outputs in several spans (weights that fit L2), passes within each."""
     torch.manual_seed(8)
-    b = file_blocks(torch.randn(45, 32 * blocks) * 0.05, kind)
+    b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)
     x = torch.randn(5, 32 * blocks)
     name = ("q8" if layer.block_offsets is None else "q4") + kernels.ROUNDED[activations] + "_matmul"
     levels = [lv for lv in kernels.VARIANTS if lv in isa.supported()]
     assert levels
     for lv in levels:
-        y = torch.empty(5, 45)
+        y = torch.empty(5, outputs)
         getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), 5, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
-                                                     None if layer.block_offsets is None else layer.block_offsets.data_ptr(), 45, y.data_ptr())
+                                                     None if layer.block_offsets is None else layer.block_offsets.data_ptr(), outputs, y.data_ptr())
         assert torch.equal(y, qdot_reference(x, b, lv != "default", activations)), lv
 
 

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include "stream.h"
 #include "vec.h"
@@ -315,6 +316,8 @@ static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NR
 }
 #define BYTES_q4(k) ((k) / 2)
 #define BYTES_q8(k) (k)
+#define SCALES_q4(k) ((k) / 8)  /* an output's fp16 d and m */
+#define SCALES_q8(k) ((k) / 16)
 #define Q4_q4 1
 #define Q4_q8 0
 
@@ -430,11 +433,15 @@ static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t r
 /* Rows a pass over the weights: as many as keep their pairs, dx and sx (384 bytes a quad) within 24 KB of
  * the L1 cache, since every output of the pass reads them all. */
 static inline int64_t pass_rows(int64_t P) { const int64_t r = 24576 / (384 * P); return r < 1 ? 1 : r; }
+/* Tiles a span: as many as keep their weights (`bytes` an output) within 256 KB of the L2 cache, so that a
+ * span's passes after the first read them from there. */
+static inline int64_t span_tiles(int64_t bytes) { const int64_t t = 262144 / (NR * bytes); return t < 1 ? 1 : t; }
 #define WIDE_ONE(KIND, r, R, n) CAT(wide_##KIND, NAME)(xp, xs, r, R, K, q, d, m, n, y, N)
 #else
 #define MB (1 << 30)
 #define BATCH(KIND)
 static inline int64_t pass_rows(int64_t P) { (void)P; return 1; }
+static inline int64_t span_tiles(int64_t bytes) { (void)bytes; return 1; }
 #define WIDE_ONE(KIND, r, R, n) ((void)0)  /* never: no batch path (MB) */
 #endif
 
@@ -465,16 +472,19 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp + r * P * 128);     \
         }                                                                                                 \
-        if (xp) {  /* a batch: its rows in passes, each through all of this thread's outputs (the same each pass) */ \
-            const int64_t cap = pass_rows(P), passes = (M + cap - 1) / cap;                              \
-            for (int64_t i = 0, r = 0; i < passes; i++) {                                                 \
-                const int64_t R = (M - r) / (passes - i);  /* rows split evenly between the passes */     \
-                _Pragma("omp for schedule(static) nowait")                                                \
-                for (int64_t t = 0; t <= tiles; t++) {                                                    \
-                    if (t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);                 \
-                    for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) WIDE_ONE(KIND, r, R, n); \
+        if (xp) {  /* a batch: this thread's tiles in spans whose weights stay in L2, each span's rows in passes */ \
+            const int64_t T = tiles + 1, nt = omp_get_num_threads(), id = omp_get_thread_num();          \
+            const int64_t cap = pass_rows(P), passes = (M + cap - 1) / cap, span = span_tiles(BYTES_##KIND(K) + SCALES_##KIND(K)); \
+            for (int64_t c = T * id / nt, end = T * (id + 1) / nt; c < end; c += span) {                  \
+                const int64_t ce = c + span < end ? c + span : end;                                       \
+                for (int64_t i = 0, r = 0; i < passes; i++) {                                             \
+                    const int64_t R = (M - r) / (passes - i);  /* rows split evenly between the passes */ \
+                    for (int64_t t = c; t < ce; t++) {                                                    \
+                        if (i == 0 && t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);   \
+                        for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) WIDE_ONE(KIND, r, R, n); \
+                    }                                                                                     \
+                    r += R;                                                                               \
                 }                                                                                         \
-                r += R;                                                                                   \
             }                                                                                             \
         } else {                                                                                          \
             _Pragma("omp for schedule(static)")                                                           \
