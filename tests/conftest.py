@@ -21,7 +21,7 @@ from decoderlm.model import Transformer
 # (~/.cache/decoderlm, which chat and generate use by default) can change what a test decodes.
 # The folder goes when the session ends (child pytest processes make and remove their own).
 os.environ["DECODERLM_CACHE"] = tempfile.mkdtemp(prefix="decoderlm-test-cache-")
-os.environ["DECODERLM_BACKGROUND_COMPILE"] = "off"  # tests that want it turn it on (test_compiled)
+os.environ["DECODERLM_BACKGROUND_COMPILE"] = "off"  # tests that want it turn it on (test_compiled_packages)
 atexit.register(shutil.rmtree, os.environ["DECODERLM_CACHE"], ignore_errors=True)
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
