@@ -297,7 +297,9 @@ class Engine:
         positions = [seq.num_computed for seq in seqs]
         tables = [seq.block_tables[0] for seq in seqs]  # the compiled step's models have one layer group
         slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
-        table = torch.tensor([t[:width] + [NULL_BLOCK] * (width - len(t[:width])) for t in tables])  # (B, W)
+        lengths = torch.tensor([min(len(t), width) for t in tables])
+        table = torch.full((len(seqs), width), NULL_BLOCK)  # (B, W): each row's blocks, then NULL_BLOCK
+        table[torch.arange(width) < lengths[:, None]] = torch.tensor([b for t in tables for b in t[:width]])  # row by row, in order
         ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
         logits = self.compiled(torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], torch.tensor(slots), table,
                                torch.tensor(positions) + 1)
