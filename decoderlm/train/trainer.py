@@ -12,6 +12,7 @@ checkpoint carries the optimizer, the loss window being averaged and every RNG s
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -129,6 +130,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         kind = ImageTextObjective if isinstance(train_data, ImageTextSplit) else LMObjective
         objective = kind(train_data, val_data, cfg, world, device)
         result = fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
+        if world.distributed:  # free FSDP's modules and their collectives' work while the process group lives (left to
+            del model, objective  # the interpreter's exit, gloo's threads can abort the process: pytorch/pytorch#90549)
+            gc.collect()
         distributed.barrier(world)  # leave together: a process that tears down while a peer still saves aborts
         return result
     except RuntimeError as e:  # gloo reports a timeout or a closed peer as a plain RuntimeError
