@@ -242,3 +242,13 @@ def test_a_faithful_mode_keeps_fp32s_answers_where_they_were_asked(tmp_path, mon
     (tmp_path / "quality.json").write_text(json.dumps(quality))
     monkeypatch.setattr(speed, "QUALITY", tmp_path / "quality.json")
     assert speed.faithful_modes() == {"decoderlm fp32": True, "decoderlm auto": True, "decoderlm int8-act": False, "decoderlm bf16": False}
+
+
+def test_qdot_ab_runs_two_builds_of_the_kernel_side_by_side(tmp_path):
+    """benchmarks/qdot_ab.py compiles qdot.c twice into libraries one process holds together, times them
+    call by call and compares their products' bits (here one source twice: the same bits)."""
+    ab = benchmark("qdot_ab")
+    libs = {"a": ab.build(None, "a", tmp_path), "b": ab.build(None, "b", tmp_path)}
+    for bits in (4, 8):
+        r = ab.measure(libs, 40, 576, bits, 5, 1, 2)
+        assert r["same_bits"] and r["speedup"] > 0 and set(r["us"]) == {"a", "b"}
