@@ -361,7 +361,7 @@ static inline vi madd(vi a, vi b) { return (vi)_mm256_madd_epi16((__m256i)a, (__
 static inline vi madd(vi a, vi b) { return (vi)_mm_madd_epi16((__m128i)a, (__m128i)b); }
 #endif
 /* Σ_k of t[k]·x[k] by pairs, exact in int32 (8 products of at most 255 · 32512 a lane). With VNNI, vpdpwssd adds
- * a pmaddwd's pairs into the sum in the same instruction: 4 instructions instead of 7, 6-9 % faster batches. */
+ * a pmaddwd's pairs into the sum in the same instruction: 4 instructions instead of 7, 4-9 % faster batches. */
 static inline vi dot4(const vi t[4], const vi *x) {
 #if VL == 16 && defined(__AVX512VNNI__)
     __m512i s = (__m512i)madd(t[0], x[0]);

@@ -130,8 +130,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         kind = ImageTextObjective if isinstance(train_data, ImageTextSplit) else LMObjective
         objective = kind(train_data, val_data, cfg, world, device)
         result = fit(model.to(device), objective, cfg, out, state, tokenizer, world, device)
-        if world.distributed:  # free FSDP's modules and their collectives' work while the process group lives (left to
-            del model, objective  # the interpreter's exit, gloo's threads can abort the process: pytorch/pytorch#90549)
+        if world.distributed:
+            # FSDP's modules and their collectives' pending work go while the process group lives: left to the
+            # interpreter's exit, gloo's threads can abort a rank as it leaves (pytorch/pytorch#90549).
+            del model, objective
             gc.collect()
         distributed.barrier(world)  # leave together: a process that tears down while a peer still saves aborts
         return result
