@@ -47,13 +47,19 @@ def build(revision: str | None, name: str, folder: Path) -> ctypes.CDLL:
     src.mkdir()
     for file in SOURCES:
         path = f"decoderlm/kernels/{file}"
-        text = (ROOT / path).read_bytes() if revision is None else subprocess.run(
-            ["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
-        (src / file).write_bytes(text)
+        if revision is None:
+            (src / file).write_bytes((ROOT / path).read_bytes())
+            continue
+        shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True)
+        if shown.returncode:
+            raise SystemExit(f"qdot_ab: no {path} at revision {revision!r} ({shown.stderr.decode().strip().splitlines()[-1]})")
+        (src / file).write_bytes(shown.stdout)
     width, flags = kernels.variants()[kernels.level()]
     lib = folder / f"qdot_{name}.so"
-    subprocess.run(["cc", *kernels.FLAGS, *flags, "-DDIGITS=2", f"-DVL={width}", f"-DNAME={name}", "-shared",
-                    str(src / "qdot.c"), "-o", str(lib)], check=True, capture_output=True, text=True)
+    built = subprocess.run(["cc", *kernels.FLAGS, *flags, "-DDIGITS=2", f"-DVL={width}", f"-DNAME={name}", "-shared",
+                            str(src / "qdot.c"), "-o", str(lib)], capture_output=True, text=True)
+    if built.returncode:
+        raise SystemExit(f"qdot_ab: qdot.c of {revision or 'the working tree'} does not compile: {built.stderr.strip()[:300]}")
     return ctypes.CDLL(str(lib))
 
 

@@ -252,3 +252,5 @@ def test_qdot_ab_runs_two_builds_of_the_kernel_side_by_side(tmp_path):
     for bits in (4, 8):
         r = ab.measure(libs, 40, 576, bits, 5, 1, 2)
         assert r["same_bits"] and r["speedup"] > 0 and set(r["us"]) == {"a", "b"}
+    with pytest.raises(SystemExit, match=r"^qdot_ab: no decoderlm/kernels/qdot.c at revision 'no-such-rev' \(fatal: "):
+        ab.build("no-such-rev", "c", tmp_path)
