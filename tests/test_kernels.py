@@ -206,11 +206,10 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) -> torch.Tensor:
-    """qdot.c's arithmetic written out, fp32 rounding step by step: per block, 4 int32 lanes (lane l sums
-    inputs 4l..4l+3 and 16+4l..16+4l+3 exactly; int16's two digits joined exactly); per quad of blocks,
-    16 lanes, each acc = acc + (dw·dx)·s, then (Q4) + m·dx·Σqx in a block's first lane; the 16 lanes
-    summed in pairwise halves. fma: each a·b + c rounded once (AVX2, AVX-512), else a·b rounded first
-    (the plain level)."""
+    """qdot.c's arithmetic written out, fp32 rounding step by step: per (row, output) and block, the exact
+    integer sum S = Σ qw·qx; block b's terms in chain b mod 4, in block order, A = A + (dw·dx)·S and then
+    (Q4) A = A + m·sx (sx = dx·Σqx); y = (A0 + A2) + (A1 + A3). fma: each a·b + c rounded once (AVX2,
+    AVX-512), else a·b rounded first (the plain level)."""
     M, K = x.shape
     N, B = b.q.shape[0], K // 32
 
@@ -219,38 +218,38 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) ->
 
     qx, dx = rounded(x, activations)  # (M, B, 32) integers, (M, B) fp32
     sx = dx * qx.sum(-1)  # (M, B) fp32
-    lanes = torch.einsum("mbhlk,nbhlk->mnbl", qx.double().view(M, B, 2, 4, 4), b.q.double().view(N, B, 2, 4, 4)).float()  # exact
+    S = torch.einsum("mbk,nbk->mnb", qx.double(), b.q.double().view(N, B, 32)).float()  # exact, then rounded as cvtdq2ps
     d, m = b.d.half().float(), None if b.m is None else b.m.half().float()
-    acc = torch.zeros(M, N, 16)  # lanes 4j..4j+3 take blocks j, j + 4, j + 8, ... in turn
+    A = torch.zeros(4, M, N)
     for blk in range(B):
-        at = slice(4 * (blk % 4), 4 * (blk % 4) + 4)
-        acc[..., at] = madd((d[None, :, blk] * dx[:, None, blk])[..., None], lanes[:, :, blk], acc[..., at])
+        j = blk % 4
+        A[j] = madd(dx[:, None, blk] * d[None, :, blk], S[..., blk], A[j])
         if m is not None:
-            acc[..., at.start] = madd(m[None, :, blk], sx[:, None, blk], acc[..., at.start])
-    for w in (8, 4, 2, 1):
-        acc = acc[..., :w] + acc[..., w : 2 * w]
-    return acc[..., 0]
+            A[j] = madd(m[None, :, blk].expand(M, N), sx[:, None, blk].expand(M, N), A[j])
+    return (A[0] + A[2]) + (A[1] + A[3])
 
 
-@pytest.mark.parametrize("blocks, outputs", [(18, 45), (50, 45), (18, 3000)])
+@pytest.mark.parametrize("blocks, outputs", [(18, 45), (19, 6), (50, 45), (18, 3000)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 13, 20])
 @pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
-def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, blocks, outputs):
+def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, rows, blocks, outputs):
     """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
     arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
-    a CPU with both they give the same bits. 18 blocks: four whole quads and a partial one; 50: rows long
-    enough that int16's batch path takes its 5 rows in two passes over the weights (2 and 3 rows); 3000
-    outputs: each thread's outputs in several spans (weights that fit L2), passes within each."""
+    a CPU with both they give the same bits. One or two rows: the one-row tiles (int8's way for any
+    rows); 5 and 11: int16's batches (8 rows at a time, sums of 4 or 2 rows together); 13 and 20:
+    AVX-512's rows in lanes (16 rows and a partial group of 8). 18 blocks: four whole quads and two
+    blocks; 19: three; 45 outputs: a partial tile; 3000: many tiles a thread."""
     torch.manual_seed(8)
     b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)
-    x = torch.randn(5, 32 * blocks)
+    x = torch.randn(rows, 32 * blocks)
     name = ("q8" if layer.block_offsets is None else "q4") + kernels.ROUNDED[activations] + "_matmul"
     levels = [lv for lv in kernels.VARIANTS if lv in isa.supported()]
     assert levels
     for lv in levels:
-        y = torch.empty(5, outputs)
-        getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), 5, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
+        y = torch.empty(rows, outputs)
+        getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), rows, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
                                                      None if layer.block_offsets is None else layer.block_offsets.data_ptr(), outputs, y.data_ptr())
         assert torch.equal(y, qdot_reference(x, b, lv != "default", activations)), lv
 

@@ -1,26 +1,32 @@
 /* y = x · Wᵀ for blocks.c's Q4_1 / Q8_0 weights with integer activations and integer dot products, the
  * arithmetic of llama.cpp's CPU kernels: each block of 32 inputs of a row of x is rounded to integers
- * qx with a scale dx = max|x| / QMAX, and a block's products are summed exactly in int32:
+ * qx with a scale dx = max|x| / QMAX, and a block's products are summed exactly in int32, S = Σ qw·qx:
  *
- *   x · w over a block = dw·dx · Σ qw·qx + m·dx·Σ qx     (Q8_0: m = 0)
+ *   x · w over block b = (dw·dx)·S + m·sx,   sx = dx·Σ qx   (Q8_0: m = 0)
  *
  * DIGITS = 1: qx is int8 (QMAX = 127, llama.cpp's Q8_1), an error of up to 1/254 of the block's largest
  * value, for 2-3x fewer instructions a weight than blocks.c's fp32 path.
- * DIGITS = 2: qx has two int8 digits, qx = 255·hi + lo with hi, lo in -127..127 (QMAX = 127·256 = 32512,
- * 16 bits): each digit's products are summed as for DIGITS = 1 and the two sums joined, exactly, as
- * 255·Σ qw·hi + Σ qw·lo. The error is 256 times smaller (1/65024 of the block's largest value), for
- * twice the integer products.
+ * DIGITS = 2: qx is 16 bits (QMAX = 127·256 = 32512), an error 256 times smaller (1/65024 of the block's
+ * largest value). One row at a time, qx is two int8 digits, qx = 255·hi + lo with hi, lo in -127..127,
+ * each digit's products summed as for DIGITS = 1 and the two sums joined exactly; a batch multiplies the
+ * 16-bit values by pairs (`pmaddwd`). Both give the same S.
  *
- * Lanes: four blocks b..b+3 (a quad, 128 inputs) fill 16 int32 lanes, 4 a block: lane l of block j
- * sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles, then high).
- * Every level forms the same lanes (one 512-bit vector, two 256-bit or four 128-bit ones) and adds
- * them in the same order, so AVX-512 and AVX2 give the same bits (the SSSE3 level, without FMA,
- * rounds its own way). As in blocks.c, a row's result never depends on the other rows of the batch:
- * DIGITS = 2 sums batches of 3 rows or more another way (16-bit pairs, `pmaddwd`), to the same integers.
+ * The blocks' terms are summed in four chains, block b in chain b mod 4, each in block order with one
+ * FMA per term ((dw·dx)·S + A, then m·sx + A; the SSE4.1 level, without FMA, rounds each product
+ * first), and y = (A0 + A2) + (A1 + A3). Every path computes exactly this for every (row, output): one
+ * row or a batch, AVX-512, AVX2 or SSE4.1 give the same bits (tests/test_kernels.py writes it out).
  *
- * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd where the CPU has VNNI),
- * 8 (AVX2) or 4 (SSSE3), and NAME = the suffix of its entry points; and once per DIGITS, whose entry
- * points are q4x8_matmul_NAME / q8x8_matmul_NAME (1) and q4x16_matmul_NAME / q8x16_matmul_NAME (2).
+ * One row (and DIGITS = 1): four blocks b..b+3 (a quad, 128 inputs) fill 16 int32 lanes, 4 a block:
+ * lane l of block j sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles,
+ * then high), in one 512-bit vector, two 256-bit or four 128-bit ones; a tile of outputs' lanes are then
+ * added into one S per (output, block) (`blocks_of`) and the chains are lanes of float vectors.
+ * A batch (DIGITS = 2, MB rows or more): lanes are rows of x, 8 (4 at SSE4.1), and each of a tile's
+ * weight pairs is broadcast against them (`batch_tile`); a weight is read once per call however many
+ * rows there are.
+ *
+ * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd / vpdpwssd where the CPU has
+ * VNNI), 8 (AVX2) or 4 (SSE4.1), and NAME = the suffix of its entry points; and once per DIGITS, whose
+ * entry points are q4x8_matmul_NAME / q8x8_matmul_NAME (1) and q4x16_matmul_NAME / q8x16_matmul_NAME (2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,14 +39,14 @@
 #include "stream.h"
 #include "vec.h"
 
-#define NV (16 / VL)  /* float vectors a quad */
+#define NV (16 / VL)  /* int vectors a quad */
 #if VL == 16
 #define NR 4          /* outputs at a time */
-#define MR 2          /* rows of x at a time, where there are that many */
 #else
 #define NR 2
-#define MR 2
 #endif
+#define MR 2          /* rows of x at a time, where there are that many */
+#define RV (NV * NR / 4)  /* float vectors of a tile's (output, block) sums: 1 (2 at SSE4.1) */
 #ifndef DIGITS
 #define DIGITS 1
 #endif
@@ -54,10 +60,9 @@
 #define XBITS x8
 #endif
 
-
 /* A row of x quantized, per quad: its 128 int8 values (DIGITS = 2: their high digits, then the low
- * ones), inputs 0..15 of the four blocks and then their inputs 16..31; per lane the block's dx; and
- * dx·Σqx in each block's first lane (0 in the others). */
+ * ones), inputs 0..15 of the four blocks and then their inputs 16..31; and each block's dx and sx in the
+ * lanes of `blocks_of`'s vectors (lane_block). */
 typedef struct {
     int8_t q[DIGITS][128];
     float dx[16], sx[16];
@@ -98,11 +103,6 @@ static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
     if (q8) lo = _mm512_mask_sub_epi8(lo, w->neg[0], _mm512_setzero_si512(), lo), hi = _mm512_mask_sub_epi8(hi, w->neg[1], _mm512_setzero_si512(), hi);
     s[0] = (vi)dot(dot(_mm512_setzero_si512(), w->u[0], lo), w->u[1], hi);
 }
-/* Per lane, its block's value of the fp16 h[0..nb). */
-static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
-    const __m128 f = _mm_cvtph_ps(nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h));
-    s[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(f));
-}
 #elif VL == 8
 typedef struct { __m256i u[4], sign[4]; } wquad;
 static inline __m256i bytes32(const void *p, int n) {  /* n bytes (0, 16 or 32), zeros after */
@@ -135,15 +135,6 @@ static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
         s[i] = (vi)dot2(w->u[i], w->u[2 + i], lo, hi, q8);
     }
 }
-static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
-    __m128i raw;  /* the nb values, zeros after (loaded whole: a copy to the stack first stalls each load) */
-    if (nb == 4) raw = _mm_loadl_epi64((const __m128i *)h);
-    else if (nb == 2) { int32_t two; memcpy(&two, h, 4); raw = _mm_cvtsi32_si128(two); }
-    else { _Float16 b[4] = {0, 0, 0, 0}; memcpy(b, h, 2 * (size_t)nb); raw = _mm_loadl_epi64((const __m128i *)b); }
-    const __m256 f = _mm256_castps128_ps256(_mm_cvtph_ps(raw));
-    s[0] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
-    s[1] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2));
-}
 #else
 typedef struct { __m128i u[8], sign[8]; } wquad;
 static inline __m128i bytes16(const void *p, int present) {
@@ -171,9 +162,6 @@ static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
         s[j] = (vi)(q8 ? _mm_add_epi32(_mm_madd_epi16(a, one), _mm_madd_epi16(b, one)) : _mm_madd_epi16(_mm_add_epi16(a, b), one));
     }
 }
-static inline void spread(const _Float16 *h, int nb, vf s[NV]) {
-    for (int j = 0; j < 4; j++) s[j] = (vf){0} + (j < nb ? (float)h[j] : 0.0f);
-}
 #endif
 
 /* Per lane: a·b + c (rounded once where the ISA has FMA), |v|, the larger of a and b, and v rounded to an
@@ -198,19 +186,99 @@ static inline vf vround(vf v) { return _mm_round_ps(v, _MM_FROUND_CUR_DIRECTION 
 /* The largest lane of v (exact: any order gives it). */
 static inline float hmax(vf v) { return FOLD(v, vmax); }
 
-/* A fixed order for the 16 lanes: pairwise halves (lanes i and i + 8 first). */
-static inline float hsum_quad(const vf acc[NV]) {
-#if NV == 1
-    return hsum(acc[0]);
-#elif NV == 2
-    return hsum(acc[0] + acc[1]);  /* lanes i and i + 8 of the 16 */
+/* A tile's (output, block) sums: NR outputs' NV vectors of lanes (block j in lanes 4j..4j+3 of the quad)
+ * added, exactly, into RV vectors with one lane per (output, block). Each group of four lanes (128 bits) of
+ * reduce4(a, b, c, d) holds the group's sums of a, b, c and d. Lane L then holds block lane_block(L) of
+ * output lane_output(L): AVX-512, block L/4 of output L%4; below, block L/4 + 2·(L%2) of output (L%4)/2
+ * (the SSE4.1 level's two vectors as one of 8 lanes). */
+#if VL == 16
+#define LO64 {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}  /* a group's lanes 0, 1 of a, then of b */
+#define HI64 {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}  /* lanes 2, 3 */
+#define EVEN {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}  /* lanes 0, 2 */
+#define ODD {1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31}   /* lanes 1, 3 */
+static inline int lane_block(int L) { return L / 4; }
+#elif VL == 8
+#define LO64 {0, 1, 8, 9, 4, 5, 12, 13}
+#define HI64 {2, 3, 10, 11, 6, 7, 14, 15}
+#define EVEN {0, 2, 8, 10, 4, 6, 12, 14}
+#define ODD {1, 3, 9, 11, 5, 7, 13, 15}
+static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
 #else
-    return hsum((acc[0] + acc[2]) + (acc[1] + acc[3]));
+#define LO64 {0, 1, 4, 5}
+#define HI64 {2, 3, 6, 7}
+#define EVEN {0, 2, 4, 6}
+#define ODD {1, 3, 5, 7}
+static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
+#endif
+static inline vi reduce4(vi a, vi b, vi c, vi d) {
+    const vi ab = __builtin_shuffle(a, b, (vi)LO64) + __builtin_shuffle(a, b, (vi)HI64);  /* a0+a2, a1+a3, b0+b2, b1+b3 */
+    const vi cd = __builtin_shuffle(c, d, (vi)LO64) + __builtin_shuffle(c, d, (vi)HI64);
+    return __builtin_shuffle(ab, cd, (vi)EVEN) + __builtin_shuffle(ab, cd, (vi)ODD);
+}
+static inline void blocks_of(vi s[NR][NV], vi S[RV]) {
+#if VL == 16
+    S[0] = reduce4(s[0][0], s[1][0], s[2][0], s[3][0]);
+#elif VL == 8
+    S[0] = reduce4(s[0][0], s[0][1], s[1][0], s[1][1]);
+#else
+    S[0] = reduce4(s[0][0], s[0][2], s[1][0], s[1][2]), S[1] = reduce4(s[0][1], s[0][3], s[1][1], s[1][3]);
+#endif
+}
+/* h[n·B + j] (outputs n < nrc, blocks j < nb of a quad; the rest 0) in the lanes of blocks_of. */
+static inline __attribute__((always_inline)) void scales_of(const _Float16 *h, int64_t B, int nrc, int nb, vf out[RV]) {
+#if VL == 4
+    float f[8] = {0};  /* SSE4.1 has no F16C */
+    for (int n = 0; n < nrc; n++)
+        for (int j = 0; j < nb; j++) f[4 * n + j] = (float)h[n * B + j];
+    out[0] = (vf){f[0], f[2], f[4], f[6]}, out[1] = (vf){f[1], f[3], f[5], f[7]};
+#else
+    uint64_t u[NR] = {0};  /* output n's four fp16 */
+    for (int n = 0; n < nrc; n++) memcpy(&u[n], h + n * B, 2 * (size_t)nb);
+#if VL == 16
+    const __m512 f = _mm512_cvtph_ps(_mm256_set_epi64x((int64_t)u[3], (int64_t)u[2], (int64_t)u[1], (int64_t)u[0]));  /* 4n + j */
+    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+#else
+    const __m256 f = _mm256_cvtph_ps(_mm_set_epi64x((int64_t)u[1], (int64_t)u[0]));
+    out[0] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+#endif
+#endif
+}
+/* The NR outputs of one row from its chains in the lanes of blocks_of: (A0 + A2) + (A1 + A3). */
+static inline void outputs(const vf acc[RV], float y[NR]) {
+#if VL == 16
+    const vf a = acc[0];
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
+    for (int n = 0; n < 4; n++) y[n] = t[n] + t[n + 4];
+#elif VL == 8
+    const vf a = acc[0];
+    y[0] = (a[0] + a[1]) + (a[4] + a[5]), y[1] = (a[2] + a[3]) + (a[6] + a[7]);
+#else
+    const vf a = acc[0], b = acc[1];
+    y[0] = (a[0] + a[1]) + (b[0] + b[1]), y[1] = (a[2] + a[3]) + (b[2] + b[3]);
 #endif
 }
 
+/* Block xb (32 values) rounded as nearbyintf rounds: v = x·QMAX/max|x|; returns dx = max|x|/QMAX, with
+ * Σ v in *total. */
+static inline float round_block(const float *xb, int32_t v[32], int32_t *total) {
+    vf top = {0};
+    for (int i = 0; i < 32; i += VL) top = vmax(top, vabs(loadf(xb + i)));
+    const float amax = hmax(top);
+    const float inv = amax > 0 ? QMAX / amax : 0;
+    vi sum = {0};
+    for (int i = 0; i < 32; i += VL) {
+        const vi r = __builtin_convertvector(vround(loadf(xb + i) * inv), vi);
+        memcpy(v + i, &r, sizeof r);
+        sum += r;
+    }
+    int32_t t = 0;
+    for (int l = 0; l < VL; l++) t += sum[l];
+    *total = t;
+    return amax / QMAX;
+}
+
 typedef int8_t vb __attribute__((vector_size(VL)));
-typedef int16_t vs __attribute__((vector_size(2 * VL)));
 
 #if DIGITS == 2
 /* Where input k of block j of a quad goes among the quad's 128 values in pair order (`pairs`): vector i of
@@ -221,18 +289,16 @@ static inline int pair_at(int j, int k) {
 }
 typedef int16_t vh32 __attribute__((vector_size(64)));
 /* Block j's 32 values v into its quad's pairs: for each pair t, its four lanes' pairs (eight values, together). */
-static inline void block_pairs(const int16_t v[32], int j, int16_t *quad) {
-    vh32 a, s;
-    memcpy(&a, v, 64);
-    s = __builtin_shufflevector(a, a, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  /* t = 0, 1 */
-                                16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31);  /* t = 2, 3 */
+static inline void block_pairs(const int32_t v[32], int j, int16_t *quad) {
+    vh32 s;
+    for (int i = 0; i < 32; i++) s[i] = (int16_t)v[i / 16 * 16 + i % 16 / 8 + 2 * (i % 8)];  /* evens of each half, then odds */
     static const int first[4] = {0, 1, 16, 17};  /* input k of a lane's first pair t */
     for (int t = 0; t < 4; t++) memcpy(quad + pair_at(j, first[t]), (const int16_t *)&s + 8 * t, 16);
 }
 #endif
 
-/* Row x (K) as ceil(K/128) quads (blocks past the row are 0), VL inputs at a time; DIGITS = 2 and `pairs`
- * not NULL: also each quad's 16-bit values in pair order (128 a quad). */
+/* Row x (K) as ceil(K/128) quads (blocks past the row are 0); DIGITS = 2 and `pairs` not NULL: each quad's
+ * 16-bit values in pair order (128 a quad) instead of the digits, for a batch (`wide`). */
 static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) {
     const int64_t B = K / 32;
     for (int64_t p = 0; p < (B + 3) / 4; p++) {
@@ -242,82 +308,70 @@ static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) 
         if (pairs) memset(pairs + 128 * p, 0, 256);
 #endif
         for (int j = 0; j < 4 && 4 * p + j < B; j++) {
-            const float *xb = x + (4 * p + j) * 32;
-            vf top = {0};
-            for (int i = 0; i < 32; i += VL) top = vmax(top, vabs(loadf(xb + i)));
-            const float amax = hmax(top);
-            const float dx = amax / QMAX, inv = amax > 0 ? QMAX / amax : 0;
-            vi sum = {0};
+            int32_t v[32], total;
+            const float dx = round_block(x + (4 * p + j) * 32, v, &total);
+            for (int l = 0; l < 16; l++)
+                if (lane_block(l) == j) o->dx[l] = dx, o->sx[l] = dx * (float)total;
 #if DIGITS == 2
-            int16_t v16[32];  /* the block's values, for `pairs` */
+            if (pairs) {
+                block_pairs(v, j, pairs + 128 * p);
+                continue;
+            }
+#else
+            (void)pairs;
 #endif
             for (int i = 0; i < 32; i += VL) {
-                const vi v = __builtin_convertvector(vround(loadf(xb + i) * inv), vi);
+                vi r;
+                memcpy(&r, v + i, sizeof r);
                 const int at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
 #if DIGITS == 2
-                if (pairs) {  /* a batch reads the pairs only */
-                    const vs h16 = __builtin_convertvector(v, vs);
-                    memcpy(v16 + i, &h16, 2 * VL);
-                } else {
-                    /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
-                    const vi hi = __builtin_convertvector(vround(__builtin_convertvector(v, vf) / 255.0f), vi);
-                    const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(v - 255 * hi, vb);
-                    memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
-                }
+                /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
+                const vi hi = __builtin_convertvector(vround(__builtin_convertvector(r, vf) / 255.0f), vi);
+                const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(r - 255 * hi, vb);
+                memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
 #else
-                const vb b = __builtin_convertvector(v, vb);
+                const vb b = __builtin_convertvector(r, vb);
                 memcpy(o->q[0] + at, &b, VL);
 #endif
-                sum += v;
             }
-#if DIGITS == 2
-            if (pairs) block_pairs(v16, j, pairs + 128 * p);
-#endif
-            int32_t total = 0;
-            for (int l = 0; l < VL; l++) total += sum[l];
-            for (int l = 0; l < 4; l++) o->dx[4 * j + l] = dx;
-            o->sx[4 * j] = dx * (float)total;
         }
     }
 }
 
-/* Adds quad p of outputs [n0, n0 + NRC) for rows [0, MRC) of the quantized x (xs: P quads a row) to
- * acc. `nb` (a constant where this is inlined) is the quad's blocks within the row. */
+/* Adds quad p of outputs [n0, n0 + NRC) for rows [0, MRC) of the quantized x (xs: P quads a row) to the
+ * chains acc. `nb` (a constant where this is inlined) is the quad's blocks within the row. */
 #define QUAD(KIND, MRC, NRC)                                                                              \
 static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NRC, NAME)(               \
         const xquad *xs, int64_t P, int64_t K, const void *q, const _Float16 *d, const _Float16 *m,       \
-        int64_t n0, int64_t p, int nb, vf acc[MRC][NRC][NV]) {                                            \
+        int64_t n0, int64_t p, int nb, vf acc[MRC][RV]) {                                                 \
     const int64_t B = K / 32;                                                                             \
     wquad w[NRC];                                                                                         \
-    vf dw[NRC][NV], mw[NRC][NV];                                                                          \
-    for (int n = 0; n < NRC; n++) {                                                                       \
+    vf dw[RV], mw[RV];                                                                                    \
+    for (int n = 0; n < NRC; n++)                                                                         \
         load_##KIND((const void *)((const char *)q + (n0 + n) * BYTES_##KIND(K) + 4 * p * BYTES_##KIND(32)), nb, &w[n]); \
-        spread(d + (n0 + n) * B + 4 * p, nb, dw[n]);                                                      \
-        if (Q4_##KIND) spread(m + (n0 + n) * B + 4 * p, nb, mw[n]);                                       \
-    }                                                                                                     \
+    scales_of(d + n0 * B + 4 * p, B, NRC, nb, dw);                                                        \
+    if (Q4_##KIND) scales_of(m + n0 * B + 4 * p, B, NRC, nb, mw);                                         \
     for (int r = 0; r < MRC; r++) {                                                                       \
         const xquad *xp = xs + r * P + p;                                                                 \
-        vf dx[NV], sx[NV];                                                                                \
-        for (int i = 0; i < NV; i++) dx[i] = loadf(xp->dx + VL * i), sx[i] = loadf(xp->sx + VL * i);     \
+        vi s[NR][NV], S[RV];                                                                              \
+        memset(s, 0, sizeof s);  /* outputs past NRC: 0 */                                                \
         for (int n = 0; n < NRC; n++) {                                                                   \
-            vi s[NV];                                                                                     \
-            dots(&w[n], xp->q[0], !Q4_##KIND, s);                                                         \
+            dots(&w[n], xp->q[0], !Q4_##KIND, s[n]);                                                      \
             if (DIGITS == 2) {  /* 255·Σ qw·hi + Σ qw·lo, exact */                                        \
                 vi lo[NV];                                                                                \
                 dots(&w[n], xp->q[DIGITS - 1], !Q4_##KIND, lo);                                           \
-                for (int i = 0; i < NV; i++) s[i] = (s[i] << 8) - s[i] + lo[i];                           \
+                for (int i = 0; i < NV; i++) s[n][i] = (s[n][i] << 8) - s[n][i] + lo[i];                  \
             }                                                                                             \
-            for (int i = 0; i < NV; i++) {                                                                \
-                acc[r][n][i] = fmadd(dw[n][i] * dx[i], tofloat(s[i]), acc[r][n][i]);                      \
-                if (Q4_##KIND) acc[r][n][i] = fmadd(mw[n][i], sx[i], acc[r][n][i]);                       \
-            }                                                                                             \
+        }                                                                                                 \
+        blocks_of(s, S);                                                                                  \
+        for (int v = 0; v < RV; v++) {                                                                    \
+            acc[r][v] = fmadd(dw[v] * loadf(xp->dx + VL * v), tofloat(S[v]), acc[r][v]);                  \
+            if (Q4_##KIND) acc[r][v] = fmadd(mw[v], loadf(xp->sx + VL * v), acc[r][v]);                   \
         }                                                                                                 \
     }                                                                                                     \
 }
 #define BYTES_q4(k) ((k) / 2)
 #define BYTES_q8(k) (k)
-#define SCALES_q4(k) ((k) / 8)  /* an output's fp16 d and m */
-#define SCALES_q8(k) ((k) / 16)
 #define Q4_q4 1
 #define Q4_q8 0
 
@@ -328,29 +382,33 @@ QUAD(KIND, MRC, NRC)                                                            
 static void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const xquad *xs, int64_t K, const void *q,           \
         const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
     const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
-    vf acc[MRC][NRC][NV];                                                                                 \
+    vf acc[MRC][RV];                                                                                      \
     for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++)                                                                     \
-            for (int i = 0; i < NV; i++) acc[r][n][i] = (vf){0};                                          \
+        for (int v = 0; v < RV; v++) acc[r][v] = (vf){0};                                                 \
     for (int64_t p = 0; p < B / 4; p++) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, p, 4, acc); \
     if (B % 4 == 2) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, 2, acc);         \
     else if (B % 4) CAT(quad_##KIND##_##MRC##_##NRC, NAME)(xs, P, K, q, d, m, n0, B / 4, (int)(B % 4), acc); \
-    for (int r = 0; r < MRC; r++)                                                                         \
-        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = hsum_quad(acc[r][n]);                                \
+    for (int r = 0; r < MRC; r++) {                                                                       \
+        float o[NR];                                                                                      \
+        outputs(acc[r], o);                                                                               \
+        for (int n = 0; n < NRC; n++) y[r * N + n0 + n] = o[n];                                           \
+    }                                                                                                     \
 }
 #define TILE_(KIND, MRC, NRC) TILE(KIND, MRC, NRC)  /* MR and NR expanded first */
 
 #if DIGITS == 2
-/* Batches of 16-bit x (MB rows or more): integer products of pairs, x·w + x'·w' in one instruction (pmaddwd),
- * 16-bit x against the weights widened to 16 bits once for up to RB rows. A lane's four pairs are its eight
- * inputs, so its sum is Σ qw·qx, exactly the two digits' sum above, and each lane's float steps are QUAD's:
- * the same bits as the tiles above, one row or many.
+/* Batches of MB rows or more: x·w + x'·w' in one instruction (pmaddwd; vpdpwssd with VNNI), 16-bit x against
+ * the weights widened to 16 bits once for up to RB rows (`wide`). A lane's four pairs are its eight inputs, so
+ * its sum is exactly the two digits' sum above; the lanes of RG rows are then added into one S per (row,
+ * block), in blocks_of's lanes with rows in place of outputs, for one float step per RG rows.
  * Pair order: per vector i of the quad's lanes (VL lanes, lane L = 4·block + l), four vectors of pairs t,
  * each lane's pair t taken from its inputs (4l, 4l+2), (4l+1, 4l+3), (16+4l, 16+4l+2), (16+4l+1, 16+4l+3):
  * in a lane's 32 bits of Q4_1's nibbles (bytes 4l..4l+3) or Q8_0's first or second 16 bytes, the even bytes
  * and the odd ones. */
 #define MB 3
 #define RB 8
+#define RG NR  /* rows a vector of (row, block) sums */
+#define RL (RV * VL)  /* its lanes */
 typedef int16_t vh __attribute__((vector_size(VL * 4)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 #if VL == 16
@@ -380,84 +438,293 @@ static inline void pairs_q8(const wquad *w, int i, vi t[4]) {  /* signed bytes, 
     const vh lo = (vh)w->sign[i], hi = (vh)w->sign[NV + i];
     t[0] = (vi)((lo << 8) >> 8), t[1] = (vi)(lo >> 8), t[2] = (vi)((hi << 8) >> 8), t[3] = (vi)(hi >> 8);
 }
+/* h[0..nb) (a quad's blocks; the rest 0) in blocks_of's lanes: each lane its block's value. */
+static inline void spread_blocks(const _Float16 *h, int nb, vf out[RV]) {
+#if VL == 16
+    const __m128 f = _mm_cvtph_ps(nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h));
+    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(f));
+#elif VL == 8
+    __m128i raw;  /* the nb values, zeros after (loaded whole: a copy to the stack first stalls each load) */
+    if (nb == 4) raw = _mm_loadl_epi64((const __m128i *)h);
+    else if (nb == 2) { int32_t two; memcpy(&two, h, 4); raw = _mm_cvtsi32_si128(two); }
+    else { _Float16 b[4] = {0, 0, 0, 0}; memcpy(b, h, 2 * (size_t)nb); raw = _mm_loadl_epi64((const __m128i *)b); }
+    out[0] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(raw)), _mm256_set_epi32(3, 1, 3, 1, 2, 0, 2, 0));
+#else
+    float f[4] = {0, 0, 0, 0};
+    for (int j = 0; j < nb; j++) f[j] = (float)h[j];
+    out[0] = (vf){f[0], f[2], f[0], f[2]}, out[1] = (vf){f[1], f[3], f[1], f[3]};
+#endif
+}
+/* Row of lane L of blocks_of's vectors with rows in place of outputs. */
+static inline int lane_row(int L) { return VL == 16 ? L % 4 : L % 4 / 2; }
 
-/* Quad p's lanes i for output n and rows [0, R): as QUAD's, the sums from the pairs. */
+/* Quad p of output n for rows [0, R): per RG rows, their S in blocks_of's lanes, one float step each.
+ * dxT, sxT: per RG rows and quad, dx and sx in those lanes. */
 #define WIDE_QUAD(KIND)                                                                                   \
 static inline __attribute__((always_inline)) void CAT(wide_quad_##KIND, NAME)(const int16_t *xp,          \
-        const xquad *xs, int64_t P, int64_t K, const void *q, const _Float16 *d, const _Float16 *m,       \
-        int64_t n, int64_t p, int nb, int i, int R, vf *acc) {                                            \
+        const float *dxT, const float *sxT, int64_t P, int64_t K, const void *q, const _Float16 *d,        \
+        const _Float16 *m, int64_t n, int64_t p, int nb, int R, vf acc[][RV]) {                           \
     const int64_t B = K / 32;                                                                             \
     wquad w;                                                                                              \
-    vf dw[NV], mw[NV];                                                                                    \
+    vf dw[RV], mw[RV];                                                                                    \
     load_##KIND((const void *)((const char *)q + n * BYTES_##KIND(K) + 4 * p * BYTES_##KIND(32)), nb, &w); \
-    spread(d + n * B + 4 * p, nb, dw);                                                                    \
-    if (Q4_##KIND) spread(m + n * B + 4 * p, nb, mw);                                                     \
-    vi t[4];                                                                                              \
-    pairs_##KIND(&w, i, t);                                                                               \
-    for (int r = 0; r < R; r++) {                                                                         \
-        const vi *x = (const vi *)(xp + (r * P + p) * 128) + 4 * i;                                       \
-        const vi s = dot4(t, x);                                                                          \
-        const xquad *xq = xs + r * P + p;                                                                 \
-        acc[r] = fmadd(dw[i] * loadf(xq->dx + VL * i), tofloat(s), acc[r]);                               \
-        if (Q4_##KIND) acc[r] = fmadd(mw[i], loadf(xq->sx + VL * i), acc[r]);                             \
-    }                                                                                                     \
-}
-
-/* Output n for rows [0, R) (R <= RB, a constant where inlined): lanes i = 0.. NV-1 one after another. */
-#define WIDE(KIND, R)                                                                                     \
-static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const xquad *xs, int64_t K, const void *q,    \
-        const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {                           \
-    const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
-    vf out[R][NV];                                                                                        \
-    _Pragma("GCC unroll 4")  /* i a constant in each copy: the quad's vectors i stay in registers */      \
-    for (int i = 0; i < NV; i++) {                                                                        \
-        vf acc[R];                                                                                        \
-        for (int r = 0; r < R; r++) acc[r] = (vf){0};                                                     \
-        for (int64_t p = 0; p < B / 4; p++) CAT(wide_quad_##KIND, NAME)(xp, xs, P, K, q, d, m, n, p, 4, i, R, acc); \
-        if (B % 4) CAT(wide_quad_##KIND, NAME)(xp, xs, P, K, q, d, m, n, B / 4, (int)(B % 4), i, R, acc); \
-        for (int r = 0; r < R; r++) out[r][i] = acc[r];                                                   \
-    }                                                                                                     \
-    for (int r = 0; r < R; r++) y[r * N + n] = hsum_quad(out[r]);                                         \
-}
-/* BATCH: output n for rows [r, r + R), RB at a time. */
-#define BATCH(KIND) WIDE_QUAD(KIND) WIDE(KIND, 1) WIDE(KIND, 2) WIDE(KIND, 3) WIDE(KIND, 4) WIDE(KIND, 5)  \
-                    WIDE(KIND, 6) WIDE(KIND, 7) WIDE(KIND, 8)                                             \
-static void CAT(wide_##KIND, NAME)(const int16_t *xp, const xquad *xs, int64_t r, int64_t R, int64_t K, const void *q, \
-        const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {                           \
-    const int64_t P = (K / 32 + 3) / 4;                                                                   \
-    for (int64_t e = r + R; r < e; r += RB) {                                                             \
-        const int16_t *xr = xp + r * P * 128;                                                             \
-        const xquad *sr = xs + r * P;                                                                     \
-        float *yr = y + r * N;                                                                            \
-        switch (e - r < RB ? (int)(e - r) : RB) {                                                         \
-        case 1: CAT(wide_##KIND##_1, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 2: CAT(wide_##KIND##_2, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 3: CAT(wide_##KIND##_3, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 4: CAT(wide_##KIND##_4, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 5: CAT(wide_##KIND##_5, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 6: CAT(wide_##KIND##_6, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        case 7: CAT(wide_##KIND##_7, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                          \
-        default: CAT(wide_##KIND##_8, NAME)(xr, sr, K, q, d, m, n, yr, N); break;                         \
+    spread_blocks(d + n * B + 4 * p, nb, dw);                                                             \
+    if (Q4_##KIND) spread_blocks(m + n * B + 4 * p, nb, mw);                                              \
+    vi t[NV][4];                                                                                          \
+    for (int i = 0; i < NV; i++) pairs_##KIND(&w, i, t[i]);                                               \
+    for (int g = 0; g * RG < R; g++) {                                                                    \
+        vi s[NR][NV], S[RV];                                                                              \
+        for (int e = 0; e < RG; e++)                                                                      \
+            for (int i = 0; i < NV; i++)                                                                  \
+                s[e][i] = g * RG + e < R ? dot4(t[i], (const vi *)(xp + ((g * RG + e) * P + p) * 128) + 4 * i) : (vi){0}; \
+        blocks_of(s, S);                                                                                  \
+        const float *dq = dxT + (g * P + p) * RL, *sq = sxT + (g * P + p) * RL;                           \
+        for (int v = 0; v < RV; v++) {                                                                    \
+            acc[g][v] = fmadd(dw[v] * loadf(dq + VL * v), tofloat(S[v]), acc[g][v]);                      \
+            if (Q4_##KIND) acc[g][v] = fmadd(mw[v], loadf(sq + VL * v), acc[g][v]);                       \
         }                                                                                                 \
     }                                                                                                     \
 }
-/* Rows a pass over the weights: as many as keep their pairs, dx and sx (384 bytes a quad) within 24 KB of
- * the L1 cache, since every output of the pass reads them all. */
-static inline int64_t pass_rows(int64_t P) { const int64_t r = 24576 / (384 * P); return r < 1 ? 1 : r; }
+
+/* Output n for rows [0, R) (R <= RB, a constant where inlined). */
+#define WIDE(KIND, R)                                                                                     \
+static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const float *dxT, const float *sxT, int64_t K, \
+        const void *q, const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {            \
+    const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
+    vf acc[(R + RG - 1) / RG][RV];                                                                        \
+    for (int g = 0; g * RG < R; g++)                                                                      \
+        for (int v = 0; v < RV; v++) acc[g][v] = (vf){0};                                                 \
+    for (int64_t p = 0; p < B / 4; p++) CAT(wide_quad_##KIND, NAME)(xp, dxT, sxT, P, K, q, d, m, n, p, 4, R, acc); \
+    if (B % 4) CAT(wide_quad_##KIND, NAME)(xp, dxT, sxT, P, K, q, d, m, n, B / 4, (int)(B % 4), R, acc);  \
+    for (int g = 0; g * RG < R; g++) {                                                                    \
+        float o[NR];                                                                                      \
+        outputs(acc[g], o);                                                                               \
+        for (int e = 0; e < RG && g * RG + e < R; e++) y[(g * RG + e) * N + n] = o[e];                     \
+    }                                                                                                     \
+}
+/* WIDE_BATCH: output n for rows [r, r + R) (r a multiple of RG), RB at a time. */
+#define WIDE_BATCH(KIND) WIDE_QUAD(KIND) WIDE(KIND, 1) WIDE(KIND, 2) WIDE(KIND, 3) WIDE(KIND, 4)          \
+                    WIDE(KIND, 5) WIDE(KIND, 6) WIDE(KIND, 7) WIDE(KIND, 8)                               \
+static void CAT(wide_##KIND, NAME)(const int16_t *xp, const float *dxT, const float *sxT, int64_t r, int64_t R, \
+        int64_t K, const void *q, const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {  \
+    const int64_t P = (K / 32 + 3) / 4;                                                                   \
+    for (int64_t e = r + R; r < e; r += RB) {                                                             \
+        const int16_t *xr = xp + r * P * 128;                                                             \
+        const float *dr = dxT + r / RG * P * RL, *sr = sxT + r / RG * P * RL;                             \
+        float *yr = y + r * N;                                                                            \
+        switch (e - r < RB ? (int)(e - r) : RB) {                                                         \
+        case 1: CAT(wide_##KIND##_1, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 2: CAT(wide_##KIND##_2, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 3: CAT(wide_##KIND##_3, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 4: CAT(wide_##KIND##_4, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 5: CAT(wide_##KIND##_5, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 6: CAT(wide_##KIND##_6, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        case 7: CAT(wide_##KIND##_7, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                      \
+        default: CAT(wide_##KIND##_8, NAME)(xr, dr, sr, K, q, d, m, n, yr, N); break;                     \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+/* dx and sx of rows [RG·g, RG·g + RG) of M in blocks_of's lanes, per quad (xs: the rows' xquads). */
+static void transpose_scales(const xquad *xs, int64_t M, int64_t P, int64_t g, float *dxT, float *sxT) {
+    int first[4];  /* a lane of each block in xquad's dx */
+    for (int j = 0; j < 4; j++)
+        for (int L = 0; L < 16; L++)
+            if (lane_block(L) == j) { first[j] = L; break; }
+    for (int64_t p = 0; p < P; p++)
+        for (int L = 0; L < RL; L++) {
+            const int64_t r = RG * g + lane_row(L);
+            const xquad *o = xs + r * P + p;
+            dxT[(g * P + p) * RL + L] = r < M ? o->dx[first[lane_block(L)]] : 0;
+            sxT[(g * P + p) * RL + L] = r < M ? o->sx[first[lane_block(L)]] : 0;
+        }
+}
+/* Rows a pass over the weights: as many as keep their pairs, dx and sx (about 320 bytes a quad) within 24 KB
+ * of the L1 cache, since every output of the pass reads them all; a multiple of RG. */
+static inline int64_t pass_rows(int64_t P) { const int64_t r = 24576 / (320 * P) / RG * RG; return r < RG ? RG : r; }
 /* Tiles a span: as many as keep their weights (`bytes` an output) within 256 KB of the L2 cache, so that a
  * span's passes after the first read them from there. */
 static inline int64_t span_tiles(int64_t bytes) { const int64_t t = 262144 / (NR * bytes); return t < 1 ? 1 : t; }
-#define WIDE_ONE(KIND, r, R, n) CAT(wide_##KIND, NAME)(xp, xs, r, R, K, q, d, m, n, y, N)
+#define SCALES_q4(k) ((k) / 8)  /* an output's fp16 d and m */
+#define SCALES_q8(k) ((k) / 16)
+#define WIDE_ONE(KIND, r, R, n) CAT(wide_##KIND, NAME)(xp, dxT, sxT, r, R, K, q, d, m, n, y, N)
+WIDE_BATCH(q4)
+WIDE_BATCH(q8)
 #else
 #define MB (1 << 30)
-#define BATCH(KIND)
 static inline int64_t pass_rows(int64_t P) { (void)P; return 1; }
 static inline int64_t span_tiles(int64_t bytes) { (void)bytes; return 1; }
-#define WIDE_ONE(KIND, r, R, n) ((void)0)  /* never: no batch path (MB) */
+static void transpose_scales(const xquad *xs, int64_t M, int64_t P, int64_t g, float *dxT, float *sxT) { (void)xs, (void)M, (void)P, (void)g, (void)dxT, (void)sxT; }
+#define RG 1
+#define RL 1
+#define SCALES_q4(k) 0
+#define SCALES_q8(k) 0
+#define WIDE_ONE(KIND, r, R, n) ((void)(R))  /* never: no batch path (MB) */
 #endif
 
-/* y (M, N) = x (M, K) · Wᵀ: outputs split between threads in tiles of NR (the last, partial tile one
- * output at a time), rows MR at a time and the rest one by one (the same operations per row either way). */
+#if DIGITS == 2 && VL == 16
+/* Batches of MZ rows or more at AVX-512: lanes are rows, G = 16 of them (a 256-bit vector for a group of 8 or
+ * fewer). x is laid out per group of G rows, block and pair k of inputs (2k, 2k+1), each row's two 16-bit
+ * values in one int32 lane; a tile of NT outputs has its weights widened to 16-bit pairs once (in L1), and
+ * each pair is broadcast against the group's lanes, which `vpdpwssd` (pmaddwd without VNNI) multiplies and
+ * adds into the block's S for G rows at once: each (output, block) then takes one float step per G rows. */
+#define MZ 12
+#define NT 4
+#if VL == 16 && defined(__AVX512VNNI__)
+#define SPLIT 2  /* S in two chains: vpdpwssd's sums wait 4 cycles for the last */
+#define DOT(W, acc, x, w) (gi##W)_mm##W##_dpwssd_epi32((__m##W##i)(acc), (__m##W##i)(x), _mm##W##_set1_epi32(w))
+#else
+#define SPLIT 1  /* pmaddwd's products are apart from the sum's chain (an add) */
+#define DOT(W, acc, x, w) ((acc) + (gi##W)_mm##W##_madd_epi16((__m##W##i)(x), _mm##W##_set1_epi32(w)))
+#endif
+typedef int32_t gi256 __attribute__((vector_size(32)));
+typedef int32_t gi512 __attribute__((vector_size(64)));
+typedef float gf256 __attribute__((vector_size(32)));
+typedef float gf512 __attribute__((vector_size(64)));
+#define G 16  /* in 512-bit vectors, or 256-bit ones for a group of 8 rows or fewer */
+#define FMA(W, a, b, c) (gf##W)_mm##W##_fmadd_ps((__m##W)(a), (__m##W)(b), (__m##W)(c))
+#define WIDTHS(X) X(256) X(512)
+/* Lanes of group g (rows G·g..) where there are M rows: G, or 8 for 8 rows or fewer. */
+static inline int64_t lanes(int64_t g, int64_t M) { return M - G * g <= 8 ? 8 : G; }
+
+/* Block b of every row of x (M, K), rounded, into the rows' lanes: group g's pairs at xg + g·B·16·G,
+ * [b][k][lane] (its lanes() lanes), its dx and sx at dxg, sxg + g·B·G, [b][lane]. (Threads take blocks, not
+ * rows: a block's lanes share cache lines.) */
+static void quantize_block(const float *x, int64_t M, int64_t K, int64_t b, int32_t *xg, float *dxg, float *sxg) {
+    const int64_t B = K / 32;
+    for (int64_t r = 0; r < M; r++) {
+        const int64_t g = r / G, l = r % G, W = lanes(g, M);
+        int32_t v[32], total;
+        const float d = round_block(x + r * K + 32 * b, v, &total);
+        int32_t *pairs = xg + g * B * 16 * G + 16 * b * W + l;
+        for (int k = 0; k < 16; k++) pairs[k * W] = (int32_t)((uint32_t)(uint16_t)v[2 * k] | (uint32_t)(uint16_t)v[2 * k + 1] << 16);
+        dxg[g * B * G + b * W + l] = d, sxg[g * B * G + b * W + l] = d * (float)total;
+    }
+}
+
+/* One output's B blocks as 16-bit pairs, block b's 16 at w + b·NT·16 (in input order: Q4_1's low nibbles,
+ * then its high ones). */
+static void widen_q4(const uint8_t *p, int64_t B, int32_t *w) {
+    for (int64_t b = 0; b < B; b++, p += 16, w += NT * 16) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        _mm256_store_si256((__m256i *)w, _mm256_and_si256(v, _mm256_set1_epi16(15)));
+        _mm256_store_si256((__m256i *)(w + 8), _mm256_srli_epi16(v, 4));
+    }
+}
+static void widen_q8(const int8_t *p, int64_t B, int32_t *w) {
+    for (int64_t b = 0; b < B; b++, p += 32, w += NT * 16) {
+        for (int h = 0; h < 2; h++) _mm256_store_si256((__m256i *)(w + 8 * h), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
+    }
+}
+/* h[0..B) as fp32 at out[0], out[NT], out[2·NT], ... */
+static void spaced_floats(const _Float16 *h, int64_t B, float *out) {
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8) {
+        float f[8];
+        _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b))));
+        for (int i = 0; i < 8; i++) out[NT * (b + i)] = f[i];
+    }
+    for (; b < B; b++) out[NT * b] = (float)h[b];
+}
+
+/* NT outputs for one group's rows (the W / 32 lanes of a W-bit vector): x (B blocks of 16 pair vectors), dx
+ * and sx (B vectors), the tile's pairs w and its scales dw, mw (block b, output n at b·NT + n). The chains
+ * in the order of their final sum. */
+#define BATCH_TILE(W)                                                                                     \
+static inline __attribute__((always_inline)) void batch_tile_##W(const gi##W *x, const gf##W *dx, const gf##W *sx, \
+        int64_t B, const int32_t *w, const float *dw, const float *mw, int q4, gf##W out[NT]) {           \
+    gf##W part[2][NT];                                                                                    \
+    for (int c = 0; c < 4; c++) {                                                                         \
+        const int j = 2 * (c & 1) + (c >> 1);  /* chains 0, 2, 1, 3 */                                    \
+        gf##W A[NT];                                                                                      \
+        for (int n = 0; n < NT; n++) A[n] = (gf##W){0};                                                   \
+        for (int64_t b = j; b < B; b += 4) {                                                              \
+            const gi##W *xb = x + 16 * b;                                                                 \
+            const int32_t *wb = w + 16 * NT * b;                                                          \
+            gi##W S[SPLIT][NT];                                                                           \
+            for (int h = 0; h < SPLIT; h++)                                                               \
+                for (int n = 0; n < NT; n++) S[h][n] = (gi##W){0};                                        \
+            _Pragma("GCC unroll 16")                                                                      \
+            for (int k = 0; k < 16; k += SPLIT)                                                           \
+                for (int h = 0; h < SPLIT; h++)                                                           \
+                    for (int n = 0; n < NT; n++) S[h][n] = DOT(W, S[h][n], xb[k + h], wb[16 * n + k + h]); \
+            for (int n = 0; n < NT; n++) {                                                                \
+                const gi##W s = SPLIT == 2 ? S[0][n] + S[SPLIT - 1][n] : S[0][n];                         \
+                A[n] = FMA(W, dw[NT * b + n] * dx[b], __builtin_convertvector(s, gf##W), A[n]);           \
+                if (q4) A[n] = FMA(W, (gf##W){0} + mw[NT * b + n], sx[b], A[n]);                          \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int n = 0; n < NT; n++) part[c >> 1][n] = c & 1 ? part[c >> 1][n] + A[n] : A[n];            \
+    }                                                                                                     \
+    for (int n = 0; n < NT; n++) out[n] = part[0][n] + part[1][n];                                        \
+}
+WIDTHS(BATCH_TILE)
+
+/* batch_tile at the group's width: out[n][lane]. */
+#define GROUP_AT(W) if (lanes * 32 == W) {                                                                \
+        gf##W o[NT];                                                                                      \
+        batch_tile_##W((const gi##W *)x, (const gf##W *)dx, (const gf##W *)sx, B, w, dw, mw, q4, o);     \
+        for (int n = 0; n < NT; n++) memcpy(out[n], &o[n], sizeof o[n]);                                  \
+    }
+static inline __attribute__((always_inline)) void GROUP(const int32_t *x, const float *dx, const float *sx, int64_t B,
+        const int32_t *w, const float *dw, const float *mw, int q4, int64_t lanes, float out[NT][G]) {
+    WIDTHS(GROUP_AT)
+}
+
+#define BATCH(KIND, WIDEN, T)                                                                             \
+static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d, \
+        const _Float16 *m, int64_t N, float *y) {                                                         \
+    const int64_t B = K / 32, groups = (M + G - 1) / G, tiles = (N + NT - 1) / NT;                        \
+    int32_t *xg = aligned_alloc(64, (size_t)(groups * B * G) * 64);                                       \
+    float *dxg = aligned_alloc(64, (size_t)(groups * B * G) * 4), *sxg = aligned_alloc(64, (size_t)(groups * B * G) * 4); \
+    if (M % G) {  /* the last group's lanes past M: 0 */                                                  \
+        const int64_t g = groups - 1, W = lanes(g, M);                                                    \
+        memset(xg + g * B * 16 * G, 0, (size_t)(B * W) * 64);                                             \
+        memset(dxg + g * B * G, 0, (size_t)(B * W) * 4), memset(sxg + g * B * G, 0, (size_t)(B * W) * 4); \
+    }                                                                                                     \
+    _Pragma("omp parallel")                                                                               \
+    {                                                                                                     \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t b = 0; b < B; b++) quantize_block(x, M, K, b, xg, dxg, sxg);                                                \
+        int32_t *w = aligned_alloc(64, (size_t)B * NT * 64);                                              \
+        float *dw = aligned_alloc(64, (size_t)B * NT * 4), *mw = aligned_alloc(64, (size_t)B * NT * 4);   \
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();                              \
+        for (int64_t t = tiles * id / nt; t < tiles * (id + 1) / nt; t++) {                                \
+            const int64_t n0 = t * NT, nrc = N - n0 < NT ? N - n0 : NT;                                   \
+            if ((t + AHEAD + 1) * NT <= N)  /* a later tile's blocks and scales, from memory */           \
+                for (int h = 0; h < NT; h += NR) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NT + h, K);          \
+            for (int n = 0; n < NT; n++) {  /* the tile's weights and scales (outputs past N: 0) */          \
+                if (n < nrc) {                                                                            \
+                    WIDEN((const T *)q + (n0 + n) * BYTES_##KIND(K), B, w + 16 * n);                      \
+                    spaced_floats(d + (n0 + n) * B, B, dw + n);                                           \
+                    if (Q4_##KIND) spaced_floats(m + (n0 + n) * B, B, mw + n);                            \
+                } else                                                                                    \
+                    for (int64_t b = 0; b < B; b++) memset(w + 16 * (NT * b + n), 0, 64), dw[NT * b + n] = mw[NT * b + n] = 0; \
+            }                                                                                             \
+            for (int64_t g = 0; g < groups; g++) {                                                        \
+                const int64_t W = lanes(g, M);                                                            \
+                const int32_t *xi = xg + g * B * 16 * G;                                                  \
+                const float *dx = dxg + g * B * G, *sx = sxg + g * B * G;                                 \
+                float out[NT][G];                                                                         \
+                GROUP(xi, dx, sx, B, w, dw, mw, Q4_##KIND, W, out);                                       \
+                for (int64_t l = 0; l < W && G * g + l < M; l++)                                          \
+                    for (int n = 0; n < nrc; n++) y[(G * g + l) * N + n0 + n] = out[n][l];                \
+            }                                                                                             \
+        }                                                                                                 \
+        free(w), free(dw), free(mw);                                                                      \
+    }                                                                                                     \
+    free(xg), free(dxg), free(sxg);                                                                       \
+}
+BATCH(q4, widen_q4, uint8_t)
+BATCH(q8, widen_q8, int8_t)
+#define BATCH_CALL(KIND) if (M >= MZ) { CAT(batch_##KIND, NAME)(x, M, K, q, d, m, N, y); return; }
+#else
+#define BATCH_CALL(KIND)
+#endif
+
+/* y (M, N) = x (M, K) · Wᵀ: at AVX-512 a batch of MZ rows or more as rows in lanes; else outputs split between
+ * threads in tiles of NR (the last, partial tile one output at a time): a batch (MB rows or more) each
+ * thread's tiles in spans whose weights stay in L2, each span's rows in passes (`wide`); fewer rows MR at a
+ * time and the rest one by one (the same operations per row either way). */
 #define MATMUL(KIND)                                                                                      \
 TILE_(KIND, 1, NR) TILE(KIND, 1, 1) TILE_(KIND, MR, NR) TILE_(KIND, MR, 1)                                \
 static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, const void *q,             \
@@ -472,29 +739,31 @@ static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, con
 }                                                                                                         \
 void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,  \
                                 const _Float16 *m, int64_t N, float *y) {                                 \
-    const int64_t P = (K / 32 + 3) / 4, tiles = N / NR;                                                   \
+    BATCH_CALL(KIND)                                                                                      \
+    const int64_t P = (K / 32 + 3) / 4, tiles = N / NR, groups = (M + RG - 1) / RG;                       \
     xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
     int16_t *xp = M >= MB ? aligned_alloc(64, (size_t)(M * P) * 256) : NULL;  /* pair order, for batches */ \
+    float *dxT = xp ? aligned_alloc(64, (size_t)(groups * P * RL) * 4) : NULL, *sxT = xp ? aligned_alloc(64, (size_t)(groups * P * RL) * 4) : NULL; \
     if (M < MB)  /* a row or two: rounded by this thread before the others start */                     \
         for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, NULL);                     \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
-        if (M >= MB) {  /* a batch: its rows rounded by the threads, all of them before any tile */      \
+        if (xp) {  /* a batch: its rows rounded by the threads, all of them before any tile */           \
             _Pragma("omp for schedule(static)")                                                           \
             for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xs + r * P, xp + r * P * 128);     \
-        }                                                                                                 \
-        if (xp) {  /* a batch: this thread's tiles in spans whose weights stay in L2, each span's rows in passes */ \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t g = 0; g < groups; g++) transpose_scales(xs, M, P, g, dxT, sxT);                 \
+            /* this thread's tiles in spans whose weights stay in L2, each span's rows in passes */       \
             const int64_t T = tiles + 1, nt = omp_get_num_threads(), id = omp_get_thread_num();          \
-            const int64_t cap = pass_rows(P), passes = (M + cap - 1) / cap, span = span_tiles(BYTES_##KIND(K) + SCALES_##KIND(K)); \
+            const int64_t cap = pass_rows(P), span = span_tiles(BYTES_##KIND(K) + SCALES_##KIND(K));      \
             for (int64_t c = T * id / nt, end = T * (id + 1) / nt; c < end; c += span) {                  \
                 const int64_t ce = c + span < end ? c + span : end;                                       \
-                for (int64_t i = 0, r = 0; i < passes; i++) {                                             \
-                    const int64_t R = (M - r) / (passes - i);  /* rows split evenly between the passes */ \
+                for (int64_t r = 0; r < M; r += cap) {                                                    \
+                    const int64_t R = M - r < cap ? M - r : cap;                                          \
                     for (int64_t t = c; t < ce; t++) {                                                    \
-                        if (i == 0 && t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);   \
+                        if (r == 0 && t + AHEAD < tiles) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NR, K);   \
                         for (int64_t n = t * NR; n < (t < tiles ? t * NR + NR : N); n++) WIDE_ONE(KIND, r, R, n); \
                     }                                                                                     \
-                    r += R;                                                                               \
                 }                                                                                         \
             }                                                                                             \
         } else {                                                                                          \
@@ -507,11 +776,8 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
             }                                                                                             \
         }                                                                                                 \
     }                                                                                                     \
-    free(xs);                                                                                             \
-    free(xp);                                                                                             \
+    free(xs), free(xp), free(dxT), free(sxT);                                                             \
 }
 
-BATCH(q4)
-BATCH(q8)
 MATMUL(q4)
 MATMUL(q8)
