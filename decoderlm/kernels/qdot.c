@@ -615,15 +615,15 @@ static void widen_q8(const int8_t *p, int64_t B, int32_t *w) {
         for (int h = 0; h < 2; h++) _mm256_store_si256((__m256i *)(w + 8 * h), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * h))));
     }
 }
-/* h[0..B) as fp32 at out[0], out[NT], out[2·NT], ... */
-static void spaced_floats(const _Float16 *h, int64_t B, float *out) {
-    int64_t b = 0;
-    for (; b + 8 <= B; b += 8) {
-        float f[8];
-        _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b))));
-        for (int i = 0; i < 8; i++) out[NT * (b + i)] = f[i];
+/* The tile's scales h + n·B (outputs n < nrc, B blocks; the rest 0) as fp32 at out[NT·b + n]: four blocks at a
+ * time in scales_of's lanes (block L/4 of output L%4, NT = NR = 4). */
+static void tile_scales(const _Float16 *h, int64_t B, int nrc, float *out) {
+    for (int64_t b = 0; b < B; b += 4) {
+        vf v[RV];
+        if (nrc == NT && b + 4 <= B) scales_of(h + b, B, NT, 4, v);
+        else scales_of(h + b, B, nrc, B - b < 4 ? (int)(B - b) : 4, v);
+        storef(out + NT * b, v[0]);
     }
-    for (; b < B; b++) out[NT * b] = (float)h[b];
 }
 
 /* NT outputs for one group's rows (the W / 32 lanes of a W-bit vector): x (B blocks of 16 pair vectors), dx
@@ -686,20 +686,18 @@ static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const 
         _Pragma("omp for schedule(static)")                                                               \
         for (int64_t b = 0; b < B; b++) quantize_block(x, M, K, b, xg, dxg, sxg);                                                \
         int32_t *w = aligned_alloc(64, (size_t)B * NT * 64);                                              \
-        float *dw = aligned_alloc(64, (size_t)B * NT * 4), *mw = aligned_alloc(64, (size_t)B * NT * 4);   \
+        float *dw = aligned_alloc(64, (size_t)(B + 3) * NT * 4), *mw = aligned_alloc(64, (size_t)(B + 3) * NT * 4);   \
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();                              \
         for (int64_t t = tiles * id / nt; t < tiles * (id + 1) / nt; t++) {                                \
             const int64_t n0 = t * NT, nrc = N - n0 < NT ? N - n0 : NT;                                   \
             if ((t + AHEAD + 1) * NT <= N)  /* a later tile's blocks and scales, from memory */           \
                 for (int h = 0; h < NT; h += NR) PREFETCH_##KIND(q, d, m, (t + AHEAD) * NT + h, K);          \
-            for (int n = 0; n < NT; n++) {  /* the tile's weights and scales (outputs past N: 0) */          \
-                if (n < nrc) {                                                                            \
-                    WIDEN((const T *)q + (n0 + n) * BYTES_##KIND(K), B, w + 16 * n);                      \
-                    spaced_floats(d + (n0 + n) * B, B, dw + n);                                           \
-                    if (Q4_##KIND) spaced_floats(m + (n0 + n) * B, B, mw + n);                            \
-                } else                                                                                    \
-                    for (int64_t b = 0; b < B; b++) memset(w + 16 * (NT * b + n), 0, 64), dw[NT * b + n] = mw[NT * b + n] = 0; \
+            for (int n = 0; n < NT; n++) {  /* the tile's weights (outputs past N: 0) */                  \
+                if (n < nrc) WIDEN((const T *)q + (n0 + n) * BYTES_##KIND(K), B, w + 16 * n);             \
+                else for (int64_t b = 0; b < B; b++) memset(w + 16 * (NT * b + n), 0, 64);               \
             }                                                                                             \
+            tile_scales(d + n0 * B, B, (int)nrc, dw);                                                     \
+            if (Q4_##KIND) tile_scales(m + n0 * B, B, (int)nrc, mw);                                      \
             for (int64_t g = 0; g < groups; g++) {                                                        \
                 const int64_t W = lanes(g, M);                                                            \
                 const int32_t *xi = xg + g * B * 16 * G;                                                  \
