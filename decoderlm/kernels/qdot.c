@@ -224,6 +224,20 @@ static inline void blocks_of(vi s[NR][NV], vi S[RV]) {
     S[0] = reduce4(s[0][0], s[0][2], s[1][0], s[1][2]), S[1] = reduce4(s[0][1], s[0][3], s[1][1], s[1][3]);
 #endif
 }
+#if VL != 4
+/* h[0..nb) (nb <= 4) in the low 64 bits, zeros after (loaded whole: a copy to the stack first stalls each load). */
+static inline __m128i half4(const _Float16 *h, int nb) {
+#if VL == 16
+    return nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h);
+#else
+    if (nb == 4) return _mm_loadl_epi64((const __m128i *)h);
+    if (nb == 2) { int32_t two; memcpy(&two, h, 4); return _mm_cvtsi32_si128(two); }
+    _Float16 b[4] = {0, 0, 0, 0};
+    memcpy(b, h, 2 * (size_t)nb);
+    return _mm_loadl_epi64((const __m128i *)b);
+#endif
+}
+#endif
 /* h[n·B + j] (outputs n < nrc, blocks j < nb of a quad; the rest 0) in the lanes of blocks_of. */
 static inline __attribute__((always_inline)) void scales_of(const _Float16 *h, int64_t B, int nrc, int nb, vf out[RV]) {
 #if VL == 4
@@ -232,14 +246,13 @@ static inline __attribute__((always_inline)) void scales_of(const _Float16 *h, i
         for (int j = 0; j < nb; j++) f[4 * n + j] = (float)h[n * B + j];
     out[0] = (vf){f[0], f[2], f[4], f[6]}, out[1] = (vf){f[1], f[3], f[5], f[7]};
 #else
-    uint64_t u[NR] = {0};  /* output n's four fp16 */
-    for (int n = 0; n < nrc; n++) memcpy(&u[n], h + n * B, 2 * (size_t)nb);
+    __m128i u[NR];  /* output n's four fp16 in the low 64 bits */
+    for (int n = 0; n < NR; n++) u[n] = n < nrc ? half4(h + n * B, nb) : _mm_setzero_si128();
 #if VL == 16
-    const __m512 f = _mm512_cvtph_ps(_mm256_set_epi64x((int64_t)u[3], (int64_t)u[2], (int64_t)u[1], (int64_t)u[0]));  /* 4n + j */
-    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi64(u[0], u[1])), _mm_unpacklo_epi64(u[2], u[3]), 1);
+    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), _mm512_cvtph_ps(v));  /* 4n + j -> 4j + n */
 #else
-    const __m256 f = _mm256_cvtph_ps(_mm_set_epi64x((int64_t)u[1], (int64_t)u[0]));
-    out[0] = _mm256_permutevar8x32_ps(f, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+    out[0] = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_unpacklo_epi64(u[0], u[1])), _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
 #endif
 #endif
 }
@@ -354,7 +367,8 @@ static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NR
     for (int r = 0; r < MRC; r++) {                                                                       \
         const xquad *xp = xs + r * P + p;                                                                 \
         vi s[NR][NV], S[RV];                                                                              \
-        memset(s, 0, sizeof s);  /* outputs past NRC: 0 */                                                \
+        for (int n = NRC; n < NR; n++)  /* outputs past NRC: 0 */                                         \
+            for (int i = 0; i < NV; i++) s[n][i] = (vi){0};                                               \
         for (int n = 0; n < NRC; n++) {                                                                   \
             dots(&w[n], xp->q[0], !Q4_##KIND, s[n]);                                                      \
             if (DIGITS == 2) {  /* 255·Σ qw·hi + Σ qw·lo, exact */                                        \
@@ -441,14 +455,9 @@ static inline void pairs_q8(const wquad *w, int i, vi t[4]) {  /* signed bytes, 
 /* h[0..nb) (a quad's blocks; the rest 0) in blocks_of's lanes: each lane its block's value. */
 static inline void spread_blocks(const _Float16 *h, int nb, vf out[RV]) {
 #if VL == 16
-    const __m128 f = _mm_cvtph_ps(nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h));
-    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(f));
+    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(_mm_cvtph_ps(half4(h, nb))));
 #elif VL == 8
-    __m128i raw;  /* the nb values, zeros after (loaded whole: a copy to the stack first stalls each load) */
-    if (nb == 4) raw = _mm_loadl_epi64((const __m128i *)h);
-    else if (nb == 2) { int32_t two; memcpy(&two, h, 4); raw = _mm_cvtsi32_si128(two); }
-    else { _Float16 b[4] = {0, 0, 0, 0}; memcpy(b, h, 2 * (size_t)nb); raw = _mm_loadl_epi64((const __m128i *)b); }
-    out[0] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(raw)), _mm256_set_epi32(3, 1, 3, 1, 2, 0, 2, 0));
+    out[0] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(half4(h, nb))), _mm256_set_epi32(3, 1, 3, 1, 2, 0, 2, 0));
 #else
     float f[4] = {0, 0, 0, 0};
     for (int j = 0; j < nb; j++) f[j] = (float)h[j];
