@@ -578,7 +578,7 @@ static void transpose_scales(const xquad *xs, int64_t M, int64_t P, int64_t g, f
  * adds into the block's S for G rows at once: each (output, block) then takes one float step per G rows. */
 #define MZ 12
 #define NT 4
-#if VL == 16 && defined(__AVX512VNNI__)
+#ifdef __AVX512VNNI__
 #define SPLIT 2  /* S in two chains: vpdpwssd's sums wait 4 cycles for the last */
 #define DOT(W, acc, x, w) (gi##W)_mm##W##_dpwssd_epi32((__m##W##i)(acc), (__m##W##i)(x), _mm##W##_set1_epi32(w))
 #else
@@ -669,13 +669,13 @@ static inline __attribute__((always_inline)) void batch_tile_##W(const gi##W *x,
 WIDTHS(BATCH_TILE)
 
 /* batch_tile at the group's width: out[n][lane]. */
-#define GROUP_AT(W) if (lanes * 32 == W) {                                                                \
+#define GROUP_AT(W) if (width * 32 == W) {                                                                \
         gf##W o[NT];                                                                                      \
         batch_tile_##W((const gi##W *)x, (const gf##W *)dx, (const gf##W *)sx, B, w, dw, mw, q4, o);     \
         for (int n = 0; n < NT; n++) memcpy(out[n], &o[n], sizeof o[n]);                                  \
     }
-static inline __attribute__((always_inline)) void GROUP(const int32_t *x, const float *dx, const float *sx, int64_t B,
-        const int32_t *w, const float *dw, const float *mw, int q4, int64_t lanes, float out[NT][G]) {
+static inline __attribute__((always_inline)) void group_tile(const int32_t *x, const float *dx, const float *sx, int64_t B,
+        const int32_t *w, const float *dw, const float *mw, int q4, int64_t width, float out[NT][G]) {
     WIDTHS(GROUP_AT)
 }
 
@@ -712,7 +712,7 @@ static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const 
                 const int32_t *xi = xg + g * B * 16 * G;                                                  \
                 const float *dx = dxg + g * B * G, *sx = sxg + g * B * G;                                 \
                 float out[NT][G];                                                                         \
-                GROUP(xi, dx, sx, B, w, dw, mw, Q4_##KIND, W, out);                                       \
+                group_tile(xi, dx, sx, B, w, dw, mw, Q4_##KIND, W, out);                                    \
                 for (int64_t l = 0; l < W && G * g + l < M; l++)                                          \
                     for (int n = 0; n < nrc; n++) y[(G * g + l) * N + n0 + n] = out[n][l];                \
             }                                                                                             \
