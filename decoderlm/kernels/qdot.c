@@ -188,33 +188,34 @@ static inline float hmax(vf v) { return FOLD(v, vmax); }
 
 /* A tile's (output, block) sums: NR outputs' NV vectors of lanes (block j in lanes 4j..4j+3 of the quad)
  * added, exactly, into RV vectors with one lane per (output, block). Each group of four lanes (128 bits) of
- * reduce4(a, b, c, d) holds the group's sums of a, b, c and d. Lane L then holds block lane_block(L) of
- * output lane_output(L): AVX-512, block L/4 of output L%4; below, block L/4 + 2·(L%2) of output (L%4)/2
- * (the SSE4.1 level's two vectors as one of 8 lanes). */
+ * reduce4(a, b, c, d) holds the group's sums of a, b, c and d (shuffles within 128 bits: 64-bit halves, then
+ * even and odd lanes). Lane L then holds block lane_block(L) of output L%4 at AVX-512; below, block
+ * L/4 + 2·(L%2) of output (L%4)/2 (the SSE4.1 level's two vectors as one of 8 lanes). */
 #if VL == 16
-#define LO64 {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}  /* a group's lanes 0, 1 of a, then of b */
-#define HI64 {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}  /* lanes 2, 3 */
-#define EVEN {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}  /* lanes 0, 2 */
-#define ODD {1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31}   /* lanes 1, 3 */
+#define PS(v) _mm512_castsi512_ps((__m512i)(v))
+static inline vi reduce4(vi a, vi b, vi c, vi d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi64((__m512i)a, (__m512i)b), _mm512_unpackhi_epi64((__m512i)a, (__m512i)b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi64((__m512i)c, (__m512i)d), _mm512_unpackhi_epi64((__m512i)c, (__m512i)d));
+    return (vi)_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(PS(ab), PS(cd), 0xdd)));
+}
 static inline int lane_block(int L) { return L / 4; }
 #elif VL == 8
-#define LO64 {0, 1, 8, 9, 4, 5, 12, 13}
-#define HI64 {2, 3, 10, 11, 6, 7, 14, 15}
-#define EVEN {0, 2, 8, 10, 4, 6, 12, 14}
-#define ODD {1, 3, 9, 11, 5, 7, 13, 15}
+#define PS(v) _mm256_castsi256_ps((__m256i)(v))
+static inline vi reduce4(vi a, vi b, vi c, vi d) {
+    const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi64((__m256i)a, (__m256i)b), _mm256_unpackhi_epi64((__m256i)a, (__m256i)b));
+    const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi64((__m256i)c, (__m256i)d), _mm256_unpackhi_epi64((__m256i)c, (__m256i)d));
+    return (vi)_mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm256_castps_si256(_mm256_shuffle_ps(PS(ab), PS(cd), 0xdd)));
+}
 static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
 #else
-#define LO64 {0, 1, 4, 5}
-#define HI64 {2, 3, 6, 7}
-#define EVEN {0, 2, 4, 6}
-#define ODD {1, 3, 5, 7}
+#define PS(v) _mm_castsi128_ps((__m128i)(v))
+static inline vi reduce4(vi a, vi b, vi c, vi d) {
+    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi64((__m128i)a, (__m128i)b), _mm_unpackhi_epi64((__m128i)a, (__m128i)b));
+    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi64((__m128i)c, (__m128i)d), _mm_unpackhi_epi64((__m128i)c, (__m128i)d));
+    return (vi)_mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm_castps_si128(_mm_shuffle_ps(PS(ab), PS(cd), 0xdd)));
+}
 static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
 #endif
-static inline vi reduce4(vi a, vi b, vi c, vi d) {
-    const vi ab = __builtin_shuffle(a, b, (vi)LO64) + __builtin_shuffle(a, b, (vi)HI64);  /* a0+a2, a1+a3, b0+b2, b1+b3 */
-    const vi cd = __builtin_shuffle(c, d, (vi)LO64) + __builtin_shuffle(c, d, (vi)HI64);
-    return __builtin_shuffle(ab, cd, (vi)EVEN) + __builtin_shuffle(ab, cd, (vi)ODD);
-}
 static inline void blocks_of(vi s[NR][NV], vi S[RV]) {
 #if VL == 16
     S[0] = reduce4(s[0][0], s[1][0], s[2][0], s[3][0]);
