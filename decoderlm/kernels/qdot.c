@@ -260,13 +260,12 @@ static inline __attribute__((always_inline)) void scales_of(const _Float16 *h, i
 /* The NR outputs of one row from its chains in the lanes of blocks_of: (A0 + A2) + (A1 + A3). */
 static inline void outputs(const vf acc[RV], float y[NR]) {
 #if VL == 16
-    const vf a = acc[0];
-    float t[8];
-    for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
-    for (int n = 0; n < 4; n++) y[n] = t[n] + t[n + 4];
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc[0]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0]), 1)));  /* A0 + A2, A1 + A3 */
+    _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 #elif VL == 8
-    const vf a = acc[0];
-    y[0] = (a[0] + a[1]) + (a[4] + a[5]), y[1] = (a[2] + a[3]) + (a[6] + a[7]);
+    const __m256 a = acc[0], t = _mm256_add_ps(a, _mm256_permute_ps(a, 0xb1));  /* lanes 0, 2, 4, 6: a0 + a1, a2 + a3, ... */
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    y[0] = u[0], y[1] = u[2];
 #else
     const vf a = acc[0], b = acc[1];
     y[0] = (a[0] + a[1]) + (b[0] + b[1]), y[1] = (a[2] + a[3]) + (b[2] + b[3]);
