@@ -576,7 +576,7 @@ static void transpose_scales(const xquad *xs, int64_t M, int64_t P, int64_t g, f
  * values in one int32 lane; a tile of NT outputs has its weights widened to 16-bit pairs once (in L1), and
  * each pair is broadcast against the group's lanes, which `vpdpwssd` (pmaddwd without VNNI) multiplies and
  * adds into the block's S for G rows at once: each (output, block) then takes one float step per G rows. */
-#define MZ 12
+#define MZ 16  /* fewer rows: `wide` is faster (qdot_ab.py at 12 rows: 1.02-1.34x; at 16, 0.76-1.10x) */
 #define NT 4
 #ifdef __AVX512VNNI__
 #define SPLIT 2  /* S in two chains: vpdpwssd's sums wait 4 cycles for the last */
