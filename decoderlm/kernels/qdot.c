@@ -20,9 +20,10 @@
  * lane l of block j sums inputs 4l..4l+3 and 16+4l..16+4l+3 of block j (Q4_1's byte order: low nibbles,
  * then high), in one 512-bit vector, two 256-bit or four 128-bit ones; a tile of outputs' lanes are then
  * added into one S per (output, block) (`blocks_of`) and the chains are lanes of float vectors.
- * A batch (DIGITS = 2, MB rows or more): lanes are rows of x, 8 (4 at SSE4.1), and each of a tile's
- * weight pairs is broadcast against them (`batch_tile`); a weight is read once per call however many
- * rows there are.
+ * A batch (DIGITS = 2, MB rows or more; `wide`): the lanes as above, 16-bit x against the weights widened
+ * to 16 bits once for up to 8 rows, and the lanes of 4 rows (2 below AVX-512) added into one S per (row,
+ * block). At AVX-512 a batch of MZ rows or more puts its rows in the lanes instead (`batch_tile`): 16 rows
+ * of x against each weight pair broadcast. Either way a weight is read once per call however many rows.
  *
  * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd / vpdpwssd where the CPU has
  * VNNI), 8 (AVX2) or 4 (SSE4.1), and NAME = the suffix of its entry points; and once per DIGITS, whose
