@@ -229,17 +229,18 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) ->
     return (A[0] + A[2]) + (A[1] + A[3])
 
 
-@pytest.mark.parametrize("blocks, outputs", [(18, 45), (19, 6), (50, 45), (18, 3000)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 11, 16, 20])
+@pytest.mark.parametrize("rows, blocks, outputs", [(1, 18, 45), (2, 19, 3000), (5, 19, 45), (11, 50, 3000), (11, 18, 6),
+                                                   (16, 18, 45), (16, 50, 6), (20, 19, 3000)])
 @pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
 def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, rows, blocks, outputs):
     """Every variant of qdot.c this CPU runs (AVX-512, AVX2, the plain level), bit for bit against its
     arithmetic written out in torch (`qdot_reference`): AVX2 and AVX-512 are the same computation, so on
     a CPU with both they give the same bits. One or two rows: the one-row tiles (int8's way for any
-    rows); 5 and 11: int16's batches (8 rows at a time, sums of 4 or 2 rows together); 16 and 20:
-    AVX-512's rows in lanes (a group of 16 rows, and one of 16 and one of 4 in 8 lanes). 18 blocks: four whole quads and two
-    blocks; 19: three; 45 outputs: a partial tile; 3000: many tiles a thread."""
+    rows); 5 and 11: int16's batches (8 rows at a time, sums of 4 or 2 rows together; 50 blocks: in
+    passes); 16 and 20: AVX-512's rows in lanes (a group of 16 rows; one of 16 and one of 4 in 8 lanes).
+    18 blocks: four whole quads and two blocks; 19: three; 6 and 45 outputs: a partial tile; 3000: many
+    tiles a thread."""
     torch.manual_seed(8)
     b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)
