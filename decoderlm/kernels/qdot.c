@@ -193,30 +193,29 @@ static inline float hmax(vf v) { return FOLD(v, vmax); }
  * even and odd lanes). Lane L then holds block lane_block(L) of output L%4 at AVX-512; below, block
  * L/4 + 2·(L%2) of output (L%4)/2 (the SSE4.1 level's two vectors as one of 8 lanes). */
 #if VL == 16
-#define PS(v) _mm512_castsi512_ps((__m512i)(v))
-static inline vi reduce4(vi a, vi b, vi c, vi d) {
-    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi64((__m512i)a, (__m512i)b), _mm512_unpackhi_epi64((__m512i)a, (__m512i)b));
-    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi64((__m512i)c, (__m512i)d), _mm512_unpackhi_epi64((__m512i)c, (__m512i)d));
-    return (vi)_mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(PS(ab), PS(cd), 0xdd)));
-}
-static inline int lane_block(int L) { return L / 4; }
+#define MM(op) _mm512_##op
+#define ISI __m512i
+#define AS_PS _mm512_castsi512_ps
+#define AS_SI _mm512_castps_si512
 #elif VL == 8
-#define PS(v) _mm256_castsi256_ps((__m256i)(v))
-static inline vi reduce4(vi a, vi b, vi c, vi d) {
-    const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi64((__m256i)a, (__m256i)b), _mm256_unpackhi_epi64((__m256i)a, (__m256i)b));
-    const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi64((__m256i)c, (__m256i)d), _mm256_unpackhi_epi64((__m256i)c, (__m256i)d));
-    return (vi)_mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm256_castps_si256(_mm256_shuffle_ps(PS(ab), PS(cd), 0xdd)));
-}
-static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
+#define MM(op) _mm256_##op
+#define ISI __m256i
+#define AS_PS _mm256_castsi256_ps
+#define AS_SI _mm256_castps_si256
 #else
-#define PS(v) _mm_castsi128_ps((__m128i)(v))
-static inline vi reduce4(vi a, vi b, vi c, vi d) {
-    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi64((__m128i)a, (__m128i)b), _mm_unpackhi_epi64((__m128i)a, (__m128i)b));
-    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi64((__m128i)c, (__m128i)d), _mm_unpackhi_epi64((__m128i)c, (__m128i)d));
-    return (vi)_mm_add_epi32(_mm_castps_si128(_mm_shuffle_ps(PS(ab), PS(cd), 0x88)), _mm_castps_si128(_mm_shuffle_ps(PS(ab), PS(cd), 0xdd)));
-}
-static inline int lane_block(int L) { return L < 8 ? L / 4 + 2 * (L % 2) : -1; }
+#define MM(op) _mm_##op
+#define ISI __m128i
+#define AS_PS _mm_castsi128_ps
+#define AS_SI _mm_castps_si128
 #endif
+/* Per group: lanes 0 + 2 and 1 + 3 of a, then of b. */
+static inline vi halves(vi a, vi b) { return (vi)MM(unpacklo_epi64)((ISI)a, (ISI)b) + (vi)MM(unpackhi_epi64)((ISI)a, (ISI)b); }
+/* Per group: lanes 0 + 1 and 2 + 3 of a, then of b. */
+static inline vi pairs_added(vi a, vi b) {
+    return (vi)AS_SI(MM(shuffle_ps)(AS_PS((ISI)a), AS_PS((ISI)b), 0x88)) + (vi)AS_SI(MM(shuffle_ps)(AS_PS((ISI)a), AS_PS((ISI)b), 0xdd));
+}
+static inline vi reduce4(vi a, vi b, vi c, vi d) { return pairs_added(halves(a, b), halves(c, d)); }
+static inline int lane_block(int L) { return VL == 16 ? L / 4 : L < 8 ? L / 4 + 2 * (L % 2) : -1; }
 static inline void blocks_of(vi s[NR][NV], vi S[RV]) {
 #if VL == 16
     S[0] = reduce4(s[0][0], s[1][0], s[2][0], s[3][0]);
