@@ -2,7 +2,7 @@
 
 serve_throughput.py measures a server through HTTP, where the server's HTTP thread and the benchmark's own
 client share the CPU with the decode step. This measures the step itself, so the two side by side say what
-serving costs on top of the model. For each --activations (fp32, serve's below AVX-512, and int16, `chat`'s and serve's at AVX-512) a
+serving costs on top of the model. For each --activations (fp32, serve's on a CPU without AVX2, and int16, `chat`'s and serve's from AVX2) a
 child process builds the engine as `decoderlm serve` does (its own flags and parser, the model loaded in a
 passing thread, the compiled step built before the measurement where missing), warms it up, then for each
 batch size B queues B greedy requests of --new-tokens tokens at once, waits for every stream's first token

@@ -2,7 +2,7 @@
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
 (`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in the server's arithmetic for the CPU level
-(int16 at AVX-512, fp32 below; `decoderlm serve --help`), through the compiled
+(int16 at AVX2 and AVX-512, fp32 below; `decoderlm serve --help`), through the compiled
 server step, built before the measurement where missing; `--no-compile`: eager steps), with each --activations
 asked for (int16 is the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the
 float32 path, and int8); llama-server runs the Q4_1 weights as they are. For 1, 4, 8 and 16 concurrent clients, each client
@@ -34,6 +34,10 @@ the llama.cpp tree vendored in llama-cpp-python's source release, outside the re
     cmake -B build -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2                              # ~15 min on 2 cores
 
+For `--isa avx2` on a CPU with more, the peer is built for AVX2 alone: `-DGGML_NATIVE=OFF -DGGML_AVX=ON
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF` in place of `-DGGML_NATIVE=ON`.
+The JSON keeps llama-server's own `system_info` line, which names the instruction sets it runs.
+
     python benchmarks/serve_throughput.py [--llama-server PATH] [--quantize none,int8] [--activations int16] [--streams 1,4,8,16] [--threads N]
         [--repeats 3] [--model NAME_OR_PATH] [--isa native|avx2|avx512|default] [--no-compile] [--out JSON]
 
@@ -54,6 +58,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -66,7 +71,7 @@ from decoderlm.names import DEFAULT_MODEL, locate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "serve_throughput.json"
-LLAMA_SERVER_BUILD = "llama.cpp vendored in llama-cpp-python 0.3.36 (sdist), cmake Release, GGML_NATIVE=ON; see this file's docstring"
+LLAMA_SERVER_BUILD = "llama.cpp vendored in llama-cpp-python 0.3.36 (sdist), cmake Release; see this file's docstring and llama_server_system_info"
 TOPICS = ["the sea", "a lighthouse keeper", "mountains in winter", "a small robot", "the history of bread", "a city at night",
           "learning to swim", "an old library", "the first computer", "a garden in spring", "a train journey", "the moon landing",
           "a chess match", "a forgotten song", "volcanoes", "a friendly dragon"]
@@ -180,6 +185,22 @@ def start_llama(args: argparse.Namespace, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def system_info(args: argparse.Namespace, timeout: float = 30) -> str | None:
+    """llama-server's `system_info` line, the CPU features its ggml build uses (`AVX2 = 1 | ...`; a build for AVX2
+    and a native one look alike from outside): logged at start-up from verbosity 4, so a server is started for
+    it alone and stopped once it has said it. None if it never does."""
+    cmd = [args.llama_server, "-m", str(locate(args.model)), "--host", "127.0.0.1", "--port", str(free_port()), "-lv", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        return next((line.split("system_info:", 1)[1].strip() for line in proc.stderr if "system_info:" in line), None)
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
+
+
 def summarise(runs: list[dict]) -> dict:
     """One server at one level over its repeats: the median of each figure, the throughput's min and max,
     and every repeat as measured."""
@@ -282,7 +303,7 @@ def main() -> None:
     p.add_argument("--quantize", type=lambda s: [q for q in s.split(",") if q], default=["none", "int8"],
                    help="also serve with these --quantize modes (default: none,int8; '' for the default mode alone)")
     p.add_argument("--activations", type=lambda s: [a for a in s.split(",") if a], default=[],
-                   help="also serve the default mode with these --activations, e.g. int16 or fp32 (serve's own: int16 at AVX-512, fp32 below; "
+                   help="also serve the default mode with these --activations, e.g. int16 or fp32 (serve's own: int16 at AVX2 and AVX-512, fp32 below; "
                         "a model without block layers refuses int16 and int8; default: none)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="what every server serves (default: the embedded model)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -308,6 +329,8 @@ def main() -> None:
     def save(results: dict[str, list[dict]], order: list[dict]) -> None:
         args.out.write_text(json.dumps(meta | {"run_order": order, "results": results}, indent=2) + "\n")
 
+    if args.llama_server:
+        meta["llama_server_system_info"] = system_info(args)
     results, order = serving(servers, args, save)
     if "llama-server" in results:
         against_llama(results)

@@ -3,6 +3,7 @@ the CPU a token cost each server's threads; benchmarks/serve_step.py: the server
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -119,3 +120,18 @@ def test_a_servers_cpu_is_split_between_its_main_thread_and_the_others() -> None
     assert middle["server_main_thread"] - before["server_main_thread"] < 0.01  # this thread only waited
     assert after["server_main_thread"] - middle["server_main_thread"] >= 0.5
     assert after["server_other_threads"] - middle["server_other_threads"] < 0.01
+
+
+def test_the_json_keeps_the_instruction_sets_llama_server_says_it_runs(tmp_path: Path) -> None:
+    """A peer built for AVX2 and one built natively look alike from outside: the JSON keeps llama-server's own
+    `system_info` line, which a server started for it alone logs at verbosity 4 (then it is stopped)."""
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\necho "main: $*" >&2\n[ "$7 $8" = "-lv 4" ] && '
+                    'echo "0.00.002 I cmn common_param: system_info: n_threads = 2 | CPU : AVX2 = 1 | FMA = 1 |" >&2\nexec sleep 60\n')
+    fake.chmod(0o755)
+    args = argparse.Namespace(llama_server=str(fake), model="smollm2-135m-instruct")
+    started = time.perf_counter()
+    assert serve_throughput.system_info(args) == "n_threads = 2 | CPU : AVX2 = 1 | FMA = 1 |"
+    assert time.perf_counter() - started < 10  # stopped once it has said it, not left to its sleep
+    fake.write_text('#!/bin/sh\necho "main: no such line" >&2\n')
+    assert serve_throughput.system_info(args) is None

@@ -34,7 +34,7 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 
 @pytest.fixture(scope="module")
 def smol():
     """The embedded model as `decoderlm serve` loads it (default quantization, the server's arithmetic at this CPU
-    level: fp32 below AVX-512, int16 at AVX-512)."""
+    level: int16 at AVX2 and AVX-512, fp32 below)."""
     return decoderlm.load("smollm2-135m-instruct", quantize="auto", activations=ARITHMETIC)
 
 
@@ -232,8 +232,8 @@ def test_an_ended_build_takes_its_pid_file(tmp_path, monkeypatch):
 
 
 def test_a_server_says_its_decode_arithmetic_and_a_one_row_server_decodes_as_chat(tmp_path):
-    """A real `decoderlm serve` on a Q4_1 GGUF: a batching server decodes in fp32 arithmetic below AVX-512 and in
-    int16 at AVX-512, one with --max-batch 1 in chat's int16, and each prints which before it serves; both answer."""
+    """A real `decoderlm serve` on a Q4_1 GGUF: a batching server decodes in int16 arithmetic at AVX2 and AVX-512
+    and in fp32 below, one with --max-batch 1 in chat's int16, and each prints which before it serves; both answer."""
     from tests.serve_helpers import ServerProcess
     from tests.test_benchmarks import benchmark
 

@@ -96,8 +96,8 @@ QUANTIZE_HELP = {
 
 ACTIVATIONS_HELP = {  # the default's description, by the default
     "auto": "auto: int16 where it applies",
-    None: "auto at the AVX-512 level and with --max-batch 1; fp32 for a server that batches below AVX-512, "
-          "where batches of rows run faster in fp32 arithmetic than in int16",
+    None: "auto at the AVX2 and AVX-512 levels and with --max-batch 1; fp32 for a server that batches on a CPU "
+          "without AVX2, where batches of rows run faster in fp32 arithmetic than in int16",
 }
 
 
