@@ -53,10 +53,11 @@ def add_compile_flag(p: argparse.ArgumentParser) -> None:
 def serve_activations(args: argparse.Namespace, level: str | None = None) -> str:
     """--activations as given, or the server's default. Every batch size decodes in one arithmetic (a row's
     result must not depend on its company), so the default is the one fastest over the batch sizes at the
-    CPU level torch runs at (`level`, default the process's): auto (int16, `chat`'s arithmetic) at AVX2 and
-    AVX-512, where it is as fast as fp32 in batches of 8 and 16 and 1.3-1.5x faster for one row
-    (serve_step_avx512.json, serve_step_avx2_emulated.json), and with --max-batch 1, where every step is one
-    row; fp32 at the plain level, whose batches of 16 run 1.4x faster in fp32 (serve_step_default.json)."""
+    CPU level torch runs at (`level`, default the process's): auto (int16, `chat`'s arithmetic) at AVX-512,
+    where it is 1.1-1.6x faster than fp32 at every batch size (serve_step_avx512.json), and at AVX2, where it
+    is 1.46x faster for one row and as fast in batches of 8 and 16 (serve_step_avx2_emulated.json), and with
+    --max-batch 1, where every step is one row; fp32 at the plain level, whose batches of 16 run 1.4x faster
+    in fp32 (serve_step_default.json)."""
     if args.activations:
         return args.activations
     return "auto" if args.max_batch == 1 or (level or isa.current()) != "default" else "fp32"
