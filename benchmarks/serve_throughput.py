@@ -176,10 +176,15 @@ def start_decoderlm(args: argparse.Namespace, port: int, quantize: str | None = 
     return subprocess.Popen(cmd, cwd=REPO, env=env | {"PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def llama_command(args: argparse.Namespace, port: int) -> list[str]:
+    """llama-server on --model at 127.0.0.1:port; the callers add its other flags."""
+    return [args.llama_server, "-m", str(locate(args.model)), "--host", "127.0.0.1", "--port", str(port)]
+
+
 def start_llama(args: argparse.Namespace, port: int) -> subprocess.Popen:
     slots = max(args.streams)
-    cmd = [args.llama_server, "-m", str(locate(args.model)), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(slots),
-           "--ctx-size", str(slots * 512), "--cont-batching", "--ignore-eos", "--no-webui"]
+    cmd = llama_command(args, port) + ["--parallel", str(slots), "--ctx-size", str(slots * 512), "--cont-batching", "--ignore-eos",
+                                       "--no-webui"]
     if args.threads:
         cmd += ["--threads", str(args.threads), "--threads-batch", str(args.threads)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -189,8 +194,7 @@ def system_info(args: argparse.Namespace, timeout: float = 30) -> str | None:
     """llama-server's `system_info` line, the CPU features its ggml build uses (`AVX2 = 1 | ...`; a build for AVX2
     and a native one look alike from outside): logged at start-up from verbosity 4, so a server is started for
     it alone and stopped once it has said it. None if it never does."""
-    cmd = [args.llama_server, "-m", str(locate(args.model)), "--host", "127.0.0.1", "--port", str(free_port()), "-lv", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(llama_command(args, free_port()) + ["-lv", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:

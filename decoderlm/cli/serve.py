@@ -60,7 +60,7 @@ def serve_activations(args: argparse.Namespace, level: str | None = None) -> str
     in fp32 (serve_step_default.json)."""
     if args.activations:
         return args.activations
-    return "auto" if args.max_batch == 1 or (level or isa.current()) != "default" else "fp32"
+    return "auto" if args.max_batch == 1 or (level or isa.current()) in ("avx2", "avx512") else "fp32"
 
 
 def server_compile_flags(args: argparse.Namespace) -> list[str]:
