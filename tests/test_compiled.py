@@ -1,6 +1,7 @@
-"""The static-shape cache and the compiled decode step: the same numbers as the eager path, for dense,
-quantized and mixture-of-experts models, at every CPU level (test_cpu_levels). How processes build, find
-and release its packages is tests/test_compiled_packages.py's."""
+"""The static-shape cache and the compiled decode step: the same numbers as the eager path, for dense and
+quantized models, at every CPU level (test_cpu_levels). Mixture-of-experts models are
+tests/test_compiled_moe.py's; how processes build, find and release the packages is
+tests/test_compiled_packages.py's."""
 
 from __future__ import annotations
 
@@ -99,29 +100,6 @@ def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
     step = compiled.CompiledDecoder(model)
     assert generate(model, [3, 1, 4, 1, 5], params, step=step) == eager
     assert step.compiles == 1 and step.runners[64] is not None
-
-
-@pytest.mark.parametrize("case", ["gpt_oss", pytest.param("deepseek_v3", marks=pytest.mark.slow), pytest.param("mixtral", marks=pytest.mark.slow)])
-def test_moe_decodes_compiled_with_eager_tokens(tmp_path, monkeypatch, case):
-    """The experts run under torch.cond, each only when the token chose it: gpt-oss (sinks, router bias, the
-    clamped SwiGLU), DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts) and Mixtral compile and give
-    eager's greedy tokens and logits."""
-    from tests.test_deepseek import make_model
-
-    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
-    (make_model if case.startswith("deepseek") else make_hf_model)(case, tmp_path / "model")
-    model, _ = decoderlm.load(tmp_path / "model")
-    params, prompts = SamplingParams(temperature=0, max_new_tokens=12), [[5, 17, 3], list(range(40, 60))]
-    decoder = compiled.CompiledDecoder(model)
-    assert [generate(model, p, params, step=decoder) for p in prompts] == [generate(model, p, params) for p in prompts]
-    assert decoder.compiles == 1 and None not in decoder.runners.values()
-    static, plain = decoder.new_cache(20), KVCache(model.config, 1, 20)
-    ids = torch.tensor([list(range(10, 20))])
-    with torch.inference_mode():
-        prefill(model, ids[:, :3], static)
-        prefill(model, ids[:, :3], plain)
-        for t in range(3, 10):
-            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="decoderlm's kernels are off or cannot be built here: the quantized layers are torch's")
