@@ -1,9 +1,9 @@
 """The compiled decode step (`--compile`) against eager decoding and llama.cpp, same model, same run.
 
-SmolLM2-135M-Instruct, the same prompt as generate_speed.py, greedy. For each mode the model is loaded,
-decoded eagerly, then `decoderlm.compiled.CompiledDecoder` builds (first time on this machine: tens of seconds to
-minutes) or loads (later: about a second) its package, and the compiled decode is timed; llama.cpp's
-decode is timed in the same repeats, interleaved. Reports the build/load time apart from decode speed.
+SmolLM2-135M-Instruct, the same prompt as generate_speed.py, greedy. For each mode the model is loaded and
+`decoderlm.compiled.CompiledDecoder` builds (first time on this machine: tens of seconds to minutes) or loads
+(later: about a second) its package; then each repeat times an eager decode, a compiled one and llama.cpp's,
+in turn. Reports the build/load time apart from decode speed.
 
     python benchmarks/compiled_decode.py [--modes int4 fp32] [--repeats 3] [--new-tokens 128] [--threads 2]
         [--isa native|avx2|avx512|default] [--quick]
@@ -78,28 +78,31 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
             _, rest, out = timed(stream(model, ids, SamplingParams(temperature=0, max_new_tokens=args.new_tokens), step=step))
             return (len(out) - 1) / rest, out
 
-        eager = [decode() for _ in range(args.repeats)]
         t0 = time.perf_counter()
         step = compiled.CompiledDecoder(model)
         decode(step)  # the first compiled decode builds or loads the package
         build_s = time.perf_counter() - t0
-        fast, peer = [], []
-        for _ in range(args.repeats):  # interleaved with llama.cpp
+        eager, fast, peer = [], [], []
+        for _ in range(args.repeats):  # eager, compiled and llama.cpp interleaved: a slow moment hits all three
+            eager.append(decode())
             fast.append(decode(step))
             if llama is not None:
                 _, rest, out = timed(llama(ids, args.new_tokens))
                 peer.append((len(out) - 1) / rest)
         row = {"eager_tok_s": statistics.median(r for r, _ in eager), "compiled_tok_s": statistics.median(r for r, _ in fast),
-               "build_or_load_s": build_s, "greedy_identical": all(out == eager[0][1] for _, out in fast)}
+               "build_or_load_s": build_s, "greedy_identical": all(out == eager[0][1] for _, out in fast + eager)}
         if peer:
             row["llama.cpp_tok_s"] = statistics.median(peer)
             row["vs_llama.cpp"] = row["compiled_tok_s"] / row["llama.cpp_tok_s"]
+            row["eager_vs_llama.cpp"] = row["eager_tok_s"] / row["llama.cpp_tok_s"]
         rows[mode] = row
     print(f"\n{model_name}, {args.prompt_tokens} prompt tokens, {args.new_tokens} greedy tokens, {args.threads} threads, median of {args.repeats}")
-    print(f"{'mode':6} {'eager tok/s':>12} {'compiled tok/s':>15} {'llama.cpp tok/s':>16} {'× llama.cpp':>12} {'build/load s':>13}  greedy = eager")
+    print(f"{'mode':8} {'eager tok/s':>12} {'compiled tok/s':>15} {'llama.cpp tok/s':>16} {'× llama.cpp (eager / compiled)':>31} "
+          f"{'build/load s':>13}  greedy = eager")
     for mode, r in rows.items():
-        print(f"{mode:6} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
-              f"{r.get('vs_llama.cpp', float('nan')):12.2f} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
+        ratios = f"{r.get('eager_vs_llama.cpp', float('nan')):.2f} / {r.get('vs_llama.cpp', float('nan')):.2f}"
+        print(f"{mode:8} {r['eager_tok_s']:12.1f} {r['compiled_tok_s']:15.1f} {r.get('llama.cpp_tok_s', float('nan')):16.1f} "
+              f"{ratios:>31} {r['build_or_load_s']:13.1f}  {r['greedy_identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": model_name, "machine": isa.describe(), "llama.cpp_build": llamacpp_build(), "threads": args.threads, "new_tokens": args.new_tokens,
                                     "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "torch": torch.__version__,
