@@ -13,7 +13,7 @@ int4 and int8 run on decoderlm's block kernels, which the compiled step calls as
 generate_speed.py) and writes compiled_decode_avx2.json; llama.cpp runs the build LLAMA_CPP_LIB_PATH names
 (see generate_speed.py), else llama-cpp-python's own.
 
---quick runs a tiny random GGUF (quality.py's) for 8 tokens, once, without llama.cpp: it checks the
+--quick runs a tiny random GGUF (quality.py's) for 8 tokens, twice, without llama.cpp: it checks the
 script (a tiny model compiles in well under a minute; set DECODERLM_CACHE to keep its package apart).
 """
 
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/compiled_decode[_ISA].json)")
     ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                     help="the instruction set decoderlm runs at (torch's kernels, inductor's code and decoderlm's kernels)")
-    ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 tokens, once, no llama.cpp: checks the script")
+    ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 tokens, twice, no llama.cpp: checks the script")
     args = ap.parse_args()
     if args.isa != "native" and args.isa != isa.current():  # torch reads its level once: run again under it
         if args.isa not in isa.supported():
@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
-            args.repeats, args.new_tokens, args.prompt_tokens = 1, 8, 16
+            args.repeats, args.new_tokens, args.prompt_tokens = 2, 8, 16
             run(args, tiny_gguf(Path(tmp) / "tiny.gguf"), "tiny random (--quick)", None)
         else:
             gguf = locate(DEFAULT_MODEL)
@@ -82,15 +82,17 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
         step = compiled.CompiledDecoder(model)
         decode(step)  # the first compiled decode builds or loads the package
         build_s = time.perf_counter() - t0
-        eager, fast, peer = [], [], []
+        eager, fast, peer, order = [], [], [], []
         for _ in range(args.repeats):  # eager, compiled and llama.cpp interleaved: a slow moment hits all three
             eager.append(decode())
             fast.append(decode(step))
+            order += ["eager", "compiled"]
             if llama is not None:
                 _, rest, out = timed(llama(ids, args.new_tokens))
                 peer.append((len(out) - 1) / rest)
+                order.append("llama.cpp")
         row = {"eager_tok_s": statistics.median(r for r, _ in eager), "compiled_tok_s": statistics.median(r for r, _ in fast),
-               "build_or_load_s": build_s, "greedy_identical": all(out == eager[0][1] for _, out in fast + eager)}
+               "build_or_load_s": build_s, "greedy_identical": all(out == eager[0][1] for _, out in fast + eager), "run_order": order}
         if peer:
             row["llama.cpp_tok_s"] = statistics.median(peer)
             row["vs_llama.cpp"] = row["compiled_tok_s"] / row["llama.cpp_tok_s"]
