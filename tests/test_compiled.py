@@ -70,6 +70,19 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
+def assert_steps_match_eager(decoder: compiled.CompiledDecoder, model, prompt: int, end: int, atol: float) -> None:
+    """Tokens 10, 11, ...: the first `prompt` prefilled into the compiled step's static cache and into an eager
+    KVCache, then one step at a time up to `end` tokens, each compiled step's logits within `atol` of eager's."""
+    static, plain = decoder.new_cache(end + 10), KVCache(model.config, 1, end + 10)
+    assert static is not None
+    ids = torch.arange(10, 10 + end)[None]
+    with torch.inference_mode():
+        prefill(model, ids[:, :prompt], static)
+        prefill(model, ids[:, :prompt], plain)
+        for t in range(prompt, end):
+            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=atol, rtol=0)
+
+
 def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
     model, _ = decoderlm.load(checkpoint)
@@ -79,14 +92,7 @@ def test_compiled_greedy_generation_and_logits_equal_eager(checkpoint, tmp_path,
     decoder = compiled.CompiledDecoder(model)
     assert [generate(model, p, params, step=decoder) for p in prompts] == eager
     assert decoder.compiles <= 1  # all three prompts share one cache size: one package
-
-    static, plain = decoder.new_cache(30), KVCache(model.config, 1, 30)
-    ids = torch.tensor([list(range(10, 30))])
-    with torch.inference_mode():
-        prefill(model, ids[:, :5], static)
-        prefill(model, ids[:, :5], plain)
-        for t in range(5, 20):
-            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
+    assert_steps_match_eager(decoder, model, prompt=5, end=20, atol=1e-4)
 
 
 def test_quantized_layers_run_inside_the_compiled_step(tmp_path, monkeypatch):
@@ -111,14 +117,8 @@ def test_block_layers_compile_with_their_kernels(tmp_path, monkeypatch, capsys, 
     model = quantize(tiny_model(), mode)
     assert any(isinstance(m, BlockLinear) for m in model.modules())
     decoder = compiled.CompiledDecoder(model)
-    static, plain = decoder.new_cache(20), KVCache(model.config, 1, 20)
-    assert static is not None and decoder.compiles == 1
-    ids = torch.tensor([list(range(10, 20))])
-    with torch.inference_mode():
-        prefill(model, ids[:, :3], static)
-        prefill(model, ids[:, :3], plain)
-        for t in range(3, 10):
-            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-5, rtol=0)
+    assert_steps_match_eager(decoder, model, prompt=3, end=10, atol=1e-5)
+    assert decoder.compiles == 1
     params = SamplingParams(temperature=0, max_new_tokens=6)
     assert generate(model, [3, 1, 4], params, step=decoder) == generate(model, [3, 1, 4], params)
     assert "unavailable" not in capsys.readouterr().err

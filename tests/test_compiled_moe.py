@@ -6,14 +6,13 @@ here costs ~20 s a level."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import decoderlm
 from decoderlm import compiled
-from decoderlm.generate import decode_step, generate, prefill
-from decoderlm.kv_cache import KVCache
+from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
 from tests.hf_models import make_hf_model
+from tests.test_compiled import assert_steps_match_eager
 
 
 @pytest.mark.parametrize("case", ["gpt_oss", pytest.param("deepseek_v3", marks=pytest.mark.slow), pytest.param("mixtral", marks=pytest.mark.slow)])
@@ -30,10 +29,4 @@ def test_moe_decodes_compiled_with_eager_tokens(tmp_path, monkeypatch, case):
     decoder = compiled.CompiledDecoder(model)
     assert [generate(model, p, params, step=decoder) for p in prompts] == [generate(model, p, params) for p in prompts]
     assert decoder.compiles == 1 and None not in decoder.runners.values()
-    static, plain = decoder.new_cache(20), KVCache(model.config, 1, 20)
-    ids = torch.tensor([list(range(10, 20))])
-    with torch.inference_mode():
-        prefill(model, ids[:, :3], static)
-        prefill(model, ids[:, :3], plain)
-        for t in range(3, 10):
-            torch.testing.assert_close(decoder.step(ids[:, t], static), decode_step(model, ids[:, t], plain), atol=1e-4, rtol=0)
+    assert_steps_match_eager(decoder, model, prompt=3, end=10, atol=1e-4)
