@@ -330,6 +330,7 @@ class BlockLinear(nn.Module):
 
     exact = False  # set on the LM head: fp32 logits whatever the model's dtype
     activations = "fp32"  # or x rounded to "int16" / "int8" outside prompts (qdot.c)
+    prompt_activations = "fp32"  # prompts and forwards of DENSE_TOKENS tokens a sequence; or "int16" (`round_activations`)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: nn.Parameter | None = None) -> None:
         """q (out, in): 4-bit values 0..15 (uint8) with offsets m, or int8 values with m None; d, m (out, in/32),
@@ -361,10 +362,10 @@ class BlockLinear(nn.Module):
         h = x.reshape(-1, x.shape[-1]).float()  # (N, in)
         b = self._buffers  # one lookup for the three (a decode step calls ~120 of these layers)
         args = (b["blocks"], b["block_scales"], b["block_offsets"])
-        rounded = "fp32" if PROMPT[0] else self.activations
-        if tokens_per_sequence(x) >= DENSE_TOKENS:  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
+        long = tokens_per_sequence(x) >= DENSE_TOKENS
+        rounded = self.prompt_activations if PROMPT[0] or long else self.activations
+        if long and rounded == "fp32":  # a prefill: the fp32 weight once, then BLAS (the float path's numbers)
             y = h @ (torch.ops.decoderlm.block_dequantize(*args) if torch.compiler.is_compiling() else kernels.dequantize(*args)).T
-            rounded = "fp32"
         elif torch.compiler.is_compiling():
             y = OPERATORS[rounded](h, *args)
         else:  # eager steps: no operator lookup
@@ -416,12 +417,21 @@ ACTIVATIONS = ("auto", "fp32", "int16", "int8")
 
 
 def round_activations(model: nn.Module, activations: str) -> int:
-    """Set how the model's BlockLinear layers take x in decode steps (`BlockLinear.activations`; "auto":
-    int16); the number of layers set."""
+    """Set how the model's BlockLinear layers take x (`BlockLinear.activations`, `prompt_activations`); the
+    number of layers set. "auto": int16 in decode steps, and in prompts too where that is faster than fp32
+    BLAS (`kernels.integer_prompts`: AVX512-VNNI), else fp32 there; a named mode rounds decode steps only."""
     layers = [layer for layer in model.modules() if isinstance(layer, BlockLinear)]
+    prompts = "int16" if layers and activations == "auto" and kernels.integer_prompts() else "fp32"
     for layer in layers:
         layer.activations = "int16" if activations == "auto" else activations
+        layer.prompt_activations = prompts
     return len(layers)
+
+
+def one_prompt_path(model: nn.Module) -> bool:
+    """Whether the model's quantized layers compute a prompt's rows the same whatever the chunk: no packed
+    layer multiplies densely from DENSE_TOKENS tokens a sequence (int16 prompts, or no quantized layer)."""
+    return not any(isinstance(m, Int4Linear) or isinstance(m, BlockLinear) and m.prompt_activations == "fp32" for m in model.modules())
 
 
 class Int4Linear(nn.Module):

@@ -285,8 +285,9 @@ def test_quantized_smollm2_is_as_faithful_as_llama_cpp(smollm2_reference, mode, 
     Q4_1 weights (issue 10), through decoderlm's kernels and, where they cannot be built, torch's: the
     latter both through the dense prefill path (512 rows) and through the packed kernel that decoding
     uses, which agree with each other at least as well (their weights differ by bf16 rounding).
-    decoderlm's kernels in int4 compute with the file's own weights in fp32, as the float path does:
-    their logits are the float path's up to the order of the sums (< 1e-3) and every argmax agrees; in
+    decoderlm's kernels in int4 compute with the file's own weights: with fp32 prompts, as the float path
+    does, their logits are its own up to the order of the sums (< 1e-3) and every argmax agrees; with
+    int16 prompts (`auto` on AVX512-VNNI) within 0.05 and ≥ 99 % of the argmaxes agreeing; in
     int8 they compute with the Q4_1 weights rounded again to Q8_0's grid (a second rounding: within 1 %,
     `--quantize auto`'s bound; measured +0.68 %, 98.6 % agreeing). The greedy reply starts like fp32's."""
     model, tok, seq, ref = smollm2_reference
@@ -301,10 +302,14 @@ def test_quantized_smollm2_is_as_faithful_as_llama_cpp(smollm2_reference, mode, 
     if kernels.available():
         quant, _ = load(locate(DEFAULT_MODEL), quantize=mode)
         assert isinstance(quant.lm_head, q.BlockLinear) and isinstance(quant.embed_tokens, q.Int8Embedding)
-        with torch.no_grad():
-            out = quant(seq[:, :-1]).logits[0]
-        if check(out, "blocks", 0.0064 if mode == "int4" else 0.01) and mode == "int4":
-            assert (out - ref).abs().max() < 1e-3 and (out.argmax(-1) == ref.argmax(-1)).all()
+        for prompts, tolerance in (("fp32", 1e-3), ("int16", 0.05)):  # what `auto` reads prompts with, by CPU
+            for layer in (m for m in quant.modules() if isinstance(m, q.BlockLinear)):
+                monkeypatch.setattr(layer, "prompt_activations", prompts)
+            with torch.no_grad():
+                out = quant(seq[:, :-1]).logits[0]
+            if check(out, f"blocks, {prompts} prompts", 0.0064 if mode == "int4" else 0.01) and mode == "int4":
+                assert (out - ref).abs().max() < tolerance, prompts
+                assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= (1 if prompts == "fp32" else 0.99), prompts
     monkeypatch.setattr(kernels, "available", lambda: False)
     quant, _ = load(locate(DEFAULT_MODEL), quantize=mode)
     assert isinstance(quant.lm_head, q.Int8GroupLinear) and isinstance(quant.embed_tokens, q.Int8Embedding)

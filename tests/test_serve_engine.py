@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from decoderlm import isa
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
+from decoderlm.quantize import BlockLinear
 from decoderlm.sampling import SamplingParams, sample, sample_batch
 from decoderlm.serve import Engine, TokenOutput
 from decoderlm.serve.paged_cache import NULL_BLOCK
@@ -167,18 +168,23 @@ def smollm2_default():
     return decoderlm.load("smollm2-135m-instruct", quantize="auto")
 
 
-def test_default_mode_busy_batch_gives_each_chat_its_solo_tokens(smollm2_default):
-    """Greedy, in the default int4 mode: 8 chat prompts (34-38 tokens) served together, a long prompt
-    read in chunks beside them and a second request sharing its prefix, each get exactly the tokens
-    `generate` gives alone (the packed kernel's rows do not depend on their company; prefill chunks and
-    prefix hits keep each prompt token on the path it takes alone)."""
+@pytest.mark.parametrize("prompts", ["fp32", "int16"])
+def test_default_mode_busy_batch_gives_each_chat_its_solo_tokens(smollm2_default, prompts, monkeypatch):
+    """Greedy, in the default int4 mode, with prompts read in fp32 or in int16 (`auto` on AVX512-VNNI): 8 chat
+    prompts (34-38 tokens) served together, a long prompt read in chunks beside them and a second request
+    sharing its prefix, each get exactly the tokens `generate` gives alone (the kernels' rows do not depend
+    on their company; with fp32 prompts, prefill chunks and prefix hits keep each prompt token on the path
+    it takes alone; int16 prompts have one path, and prompts are cut anywhere)."""
     smol, tok = smollm2_default
+    for layer in (m for m in smol.modules() if isinstance(m, BlockLinear)):
+        monkeypatch.setattr(layer, "prompt_activations", prompts)
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False) for t in CHATS[: 3 if PLAIN else 8]]
     story = tok.encode(tok.apply_chat_template([{"role": "user", "content": SHAKESPEARE_LINES}]), add_special_tokens=False)
     shared = story[:-3] + chats[0][-3:]  # a later request that finds most of the story in the prefix cache
     assert all(34 <= len(p) <= 38 for p in chats) and len(story) >= 2 * 64
     params = SamplingParams(temperature=0, max_new_tokens=8 if PLAIN else 32)
     engine = Engine(smol, max_batch=10, block_size=16, prefill_chunk=96)
+    assert engine.scheduler.min_chunk == (1 if prompts == "int16" else 64)
     for batch in (chats + [story], [shared] + chats[:2]):
         streams = [engine.add_request(p, params) for p in batch]
         drain(engine)

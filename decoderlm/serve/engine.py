@@ -25,7 +25,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
 from decoderlm.model import Transformer
 from decoderlm.model.vision import ImageEmbeds, Images
-from decoderlm.quantize import DENSE_TOKENS, BlockLinear, Int4Linear, reading_prompt
+from decoderlm.quantize import DENSE_TOKENS, one_prompt_path, reading_prompt
 from decoderlm.sampling import SamplingParams, finish_reason, sample_batch
 from decoderlm.serve.images import PromptImages
 from decoderlm.serve.compiled_step import CompiledPagedStep
@@ -147,11 +147,11 @@ class Engine:
             if num_blocks < 2:
                 raise DecoderLMError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens; give more memory")
         self.pool = BlockPool(cfg, num_blocks, block_size, dtype, self.device)
-        # Packed quantized layers compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
-        two_paths = any(isinstance(m, (Int4Linear, BlockLinear)) for m in model.modules())
+        # Packed quantized layers may compute forwards of DENSE_TOKENS tokens per sequence or more on another path.
+        self.two_paths = not one_prompt_path(model)
         scaling = cfg.rope_scaling or {}
         rope_switch = scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
-        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if two_paths else 1,
+        self.scheduler = Scheduler(self.pool, max_batch, prefill_chunk, prefix_caching, min_chunk=DENSE_TOKENS if self.two_paths else 1,
                                    rope_switch=rope_switch)
         # A sequence may grow while its next token has a position and a slot to go to, in every layer group.
         self.max_len = min(cfg.max_seq_len, self.pool.capacity // len(self.pool.groups) * block_size)
@@ -266,8 +266,9 @@ class Engine:
             compiled = self.compiled is not None and self.compiled.ready()  # never for a model with images (`unsupported`)
             logits.append(self._compiled_decode(plan.decode) if compiled else self._forward([(seq, 1) for seq in plan.decode]))
             rows += plan.decode
-        # Chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
-        for group in ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]):
+        # Where they take two paths, chunks of DENSE_TOKENS or more and shorter ones run apart, each on the path it takes alone.
+        groups = ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]) if self.two_paths else (plan.prefill,)
+        for group in groups:
             if group:
                 with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.activations)
                     last = self._forward(group)
