@@ -86,12 +86,13 @@ def is_correct(text: str, answers: Sequence[str]) -> bool:
 
 
 def score(replies: Replies, reference: Replies, items: list[dict], decode: Callable[[list[int]], str]) -> dict:
-    """Agreement with `reference` over every prompt; the questions answered wrongly, id → what was answered."""
-    prefixes = [agreeing_prefix(replies[it["id"]], reference[it["id"]]) for it in items]
+    """Agreement with `reference` over every prompt, and where each reply that parts from it does (id → tokens
+    in agreement); the questions answered wrongly, id → what was answered."""
+    prefixes = {it["id"]: agreeing_prefix(replies[it["id"]], reference[it["id"]]) for it in items}
     texts = {it["id"]: decode(replies[it["id"]][:ANSWER_TOKENS]) for it in items if "answers" in it}
     wrong = {it["id"]: texts[it["id"]] for it in items if "answers" in it and not is_correct(texts[it["id"]], it["answers"])}
-    return {"agree_all32": sum(p == AGREE_TOKENS for p in prefixes), "mean_prefix": sum(prefixes) / len(prefixes),
-            "correct": len(texts) - len(wrong), "wrong": wrong}
+    return {"agree_all32": sum(p == AGREE_TOKENS for p in prefixes.values()), "mean_prefix": sum(prefixes.values()) / len(prefixes),
+            "parts": {pid: p for pid, p in prefixes.items() if p < AGREE_TOKENS}, "correct": len(texts) - len(wrong), "wrong": wrong}
 
 
 def verdict(rows: dict[str, dict]) -> dict:

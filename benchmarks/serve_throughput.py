@@ -1,7 +1,7 @@
 """Serving throughput over HTTP: `decoderlm serve` vs llama.cpp's `llama-server`, same GGUF, same load.
 
 The model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): decoderlm runs it in its default mode
-(`--quantize auto`: the Q4_1 blocks, prompts read in fp32, decode steps in the server's arithmetic for the CPU level
+(`--quantize auto`: the Q4_1 blocks, prompts read in fp32 (in int16 on AVX512-VNNI), decode steps in the server's arithmetic for the CPU level
 (int16 at AVX2 and AVX-512, fp32 below; `decoderlm serve --help`), through the compiled
 server step, built before the measurement where missing; `--no-compile`: eager steps), with each --activations
 asked for (int16 is the arithmetic `chat` decodes with) and in each --quantize mode asked for (default: none, the

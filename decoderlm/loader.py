@@ -46,10 +46,11 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     False keeps one module per checkpoint matrix, for LoRA, which wraps q_proj, v_proj, ... by name.
     text=False: an HF folder without tokenizer files loads with an `IdsOnly` tokenizer (driven by token ids).
     activations: how quantized layers on decoderlm's block kernels take their inputs in decode steps
-    (prompts stay fp32; see `decoderlm.quantize.BlockLinear`): "int16", rounded to 16 bits per 32 with
-    integer dot products (nearly the speed of int8 for one row, 1/65024 of a block's largest input
-    from fp32); "int8", llama.cpp's arithmetic; "fp32"; "auto" (the default): int16 where there are
-    such layers, else fp32."""
+    (see `decoderlm.quantize.BlockLinear`): "int16", rounded to 16 bits per 32 with integer dot products
+    (nearly the speed of int8 for one row, 1/65024 of a block's largest input from fp32); "int8",
+    llama.cpp's arithmetic; "fp32"; "auto" (the default): int16 where there are such layers, else fp32.
+    Prompts are read in fp32, but with "auto" on a CPU with AVX512-VNNI in int16, faster there than fp32
+    BLAS (`quantize.round_activations`)."""
     if activations not in ACTIVATIONS:
         raise DecoderLMError(f"activations {activations!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
     model, tokenizer = _load_weights(source, dtype, quantize, device, fuse, text)

@@ -8,10 +8,11 @@ the model's dtype.
 
 Where decoderlm's own kernels build (`decoderlm.kernels`: any x86-64 machine with a C compiler) a
 layer is a `BlockLinear`: llama.cpp's Q4_1 / Q8_0 blocks, a file's as they are (Q4_0 being Q4_1 with
-m = -8d), multiplied in fp32. Its result is the float path's up to the order of the sums, for one row
-or many, and the same for a row whatever else is in the batch. `--activations int8` decodes as
-llama.cpp does instead, with activations rounded to int8 per block of 32 outside prompts
-(`use_int8_activations`): faster, but it answered 3 of 78 questions fewer than fp32 (quality.json).
+m = -8d), multiplied in fp32 (the float path's result up to the order of the sums) or with x rounded to
+16 bits per block of 32 and integer dot products (the default's decode steps, and its prompts on
+AVX512-VNNI: `round_activations`); a row's result is the same whatever else is in the batch.
+`--activations int8` decodes as llama.cpp does, x rounded to int8 per block: faster, but it answered
+3 of 78 questions fewer than fp32 (quality.json).
 
 Elsewhere the layers run on PyTorch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 which are fast only in bf16 (their fp16 and fp32 paths are 20-30x slower in torch 2.13), so activations,
@@ -316,17 +317,20 @@ class BlockLinear(nn.Module):
     (`decoderlm.kernels`) in fp32: the result is the float path's up to the order of the sums, and a
     row's result does not depend on the other rows of the batch. From DENSE_TOKENS tokens per sequence
     (a prefill) the weight is dequantized to fp32 once for a BLAS matmul, the float path's own numbers
-    (the kernel's cost grows with the rows; BLAS is faster from a few dozen). As the LM head (`exact`)
-    it returns its fp32 logits.
+    (the fp32 kernel's cost grows with the rows; BLAS is faster from a few dozen), unless prompts are
+    read in int16 (`prompt_activations`). As the LM head (`exact`) it returns its fp32 logits.
 
     With `activations` "int16" (the default where these kernels run, `round_activations`) or "int8"
     (`--activations int8`), x is rounded per block of 32 and integer products are summed (qdot.c):
     int8 is llama.cpp's arithmetic, 2-3x faster than fp32 for one row, with an error of up to 1/254 of a
     block's largest input; int16 (two int8 digits) nearly as fast for one row, and 256 times closer.
     The LM head then rescores each row's EXACT_TOP best candidates exactly in fp32 (`rescore`). A prompt,
-    read inside `reading_prompt()`, stays on the fp32 path, so the first token of a reply, which the
-    prompt decides, is the float path's (SmolLM2's "The capital of France is Paris." starts with a
-    0.08-logit lead that int8 activations reverse); decode steps and speculative checks round."""
+    read inside `reading_prompt()`, and any forward of DENSE_TOKENS tokens a sequence take
+    `prompt_activations`: "fp32", the float path's numbers, so the first token of a reply, which the prompt
+    decides, is the float path's (SmolLM2's "The capital of France is Paris." starts with a 0.08-logit lead
+    that int8 activations reverse); or "int16", set by `round_activations("auto")` where qdot.c's batch
+    kernels beat BLAS (AVX512-VNNI): every chunk length then computes a row the same way. Decode steps and
+    speculative checks round as `activations` says."""
 
     exact = False  # set on the LM head: fp32 logits whatever the model's dtype
     activations = "fp32"  # or x rounded to "int16" / "int8" outside prompts (qdot.c)
@@ -405,7 +409,7 @@ PROMPT = [False]  # inside reading_prompt(); a list, so a compiled graph guards 
 
 @contextmanager
 def reading_prompt() -> Iterator[None]:
-    """Forwards inside read a prompt: BlockLinear keeps the fp32 arithmetic for them (see `activations`)."""
+    """Forwards inside read a prompt: BlockLinear takes x as `prompt_activations` says (fp32 unless int16 is faster)."""
     outer, PROMPT[0] = PROMPT[0], True
     try:
         yield

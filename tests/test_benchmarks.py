@@ -125,6 +125,8 @@ def test_answers_are_scored_per_level_in_a_child_process_at_that_level(answers_r
         assert rows["fp32"]["agree_all32"] == len(items) and rows["fp32"]["mean_prefix"] == 32
         for row in rows.values():
             assert 0 <= row["agree_all32"] <= len(items) and 0 <= row["mean_prefix"] <= 32
+            assert len(row["parts"]) == len(items) - row["agree_all32"] and all(0 <= p < 32 for p in row["parts"].values())
+            assert row["mean_prefix"] == (32 * row["agree_all32"] + sum(row["parts"].values())) / len(items)
             assert set(row["wrong"]) <= questions and row["correct"] == len(questions) - len(row["wrong"])
         assert entry["verdict"] == answers.verdict(rows)
         assert ("fp32_vs_native" in entry) == (level != isa.native())
@@ -164,7 +166,7 @@ def test_replies_agree_token_by_token_and_answers_match_whole_words() -> None:
     assert answers.is_correct("Plants take in CO2.", ["carbon dioxide", "CO2"])
     items = [{"id": "q", "kind": "k", "prompt": "", "answers": ["b"]}, {"id": "o", "kind": "k", "prompt": ""}]
     scored = answers.score({"q": [ord("a")], "o": [1, 2]}, {"q": [ord("b")], "o": [1, 2]}, items, lambda ids: "".join(map(chr, ids)))
-    assert scored == {"agree_all32": 1, "mean_prefix": 16.0, "correct": 0, "wrong": {"q": "a"}}
+    assert scored == {"agree_all32": 1, "mean_prefix": 16.0, "parts": {"q": 0}, "correct": 0, "wrong": {"q": "a"}}
 
 
 def test_the_answer_fixture_has_varied_prompts_and_enough_questions() -> None:

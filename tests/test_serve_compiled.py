@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import decoderlm
-from decoderlm import compiled
+from decoderlm import compiled, kernels
 from decoderlm.cli import build_parser
 from decoderlm.cli.serve import parse_size, serve_activations, server_compile_flags
 from decoderlm.sampling import SamplingParams
@@ -233,7 +233,8 @@ def test_an_ended_build_takes_its_pid_file(tmp_path, monkeypatch):
 
 def test_a_server_says_its_decode_arithmetic_and_a_one_row_server_decodes_as_chat(tmp_path):
     """A real `decoderlm serve` on a Q4_1 GGUF: a batching server decodes in int16 arithmetic at AVX2 and AVX-512
-    and in fp32 below, one with --max-batch 1 in chat's int16, and each prints which before it serves; both answer."""
+    and in fp32 below, one with --max-batch 1 in chat's int16, and each prints which before it serves, with the
+    prompts' arithmetic (int16 with auto on AVX512-VNNI, else fp32); both answer."""
     from tests.serve_helpers import ServerProcess
     from tests.test_benchmarks import benchmark
 
@@ -247,4 +248,5 @@ def test_a_server_says_its_decode_arithmetic_and_a_one_row_server_decodes_as_cha
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         finally:
             server.stop()
-        assert f"decode steps in {arithmetic} arithmetic" in server.output(), server.output()
+        prompts = "int16" if arithmetic == "int16" and kernels.integer_prompts() else "fp32"  # auto's prompts: int16 on AVX512-VNNI
+        assert f"decode steps in {arithmetic} arithmetic, prompts in {prompts}" in server.output(), server.output()

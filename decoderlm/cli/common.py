@@ -111,7 +111,7 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
                    help=f"weight precision (default: {quantize}: {QUANTIZE_HELP[quantize]}); int8/int4 quantize any model "
                         "for faster CPU decoding (decode vs float32: int8 ~3x, int4 ~4x; logits move slightly)")
     p.add_argument("--activations", default=activations, choices=list(ACTIVATIONS),
-                   help="how quantized layers take their inputs in decode steps (prompts stay fp32): int16 (rounded to 16 bits "
+                   help="how quantized layers take their inputs in decode steps (prompts: fp32; auto's int16 on AVX512-VNNI): int16 (rounded to 16 bits "
                         "per 32, integer dot products: 1.2-2.2x fp32's speed for one row, answers as fp32's), int8 (llama.cpp's "
                         f"arithmetic: a little faster, a few answers differ) or fp32 (default: {ACTIVATIONS_HELP[activations]})")
     if compile:

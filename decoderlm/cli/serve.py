@@ -132,9 +132,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = create_app(engine, tokenizer, model_source(args), args.api_key, max_seq_len=model.config.max_seq_len,
                          sampling_defaults=model.generation_defaults, tool_parser=args.tool_parser, image_processor=processor,
                          grammar_timeout=args.grammar_timeout)
-        arithmetic = sorted({m.activations for m in model.modules() if isinstance(m, BlockLinear)})  # none: a float model
-        if arithmetic:
-            print(f"decode steps in {' and '.join(arithmetic)} arithmetic (--activations; prompts are read in fp32)", file=sys.stderr, flush=True)
+        layers = [m for m in model.modules() if isinstance(m, BlockLinear)]  # none: a float model
+        if layers:
+            decode, prompts = (" and ".join(sorted({getattr(m, name) for m in layers})) for name in ("activations", "prompt_activations"))
+            print(f"decode steps in {decode} arithmetic, prompts in {prompts} (--activations)", file=sys.stderr, flush=True)
         host, port = sock.getsockname()[:2]
         print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()
