@@ -139,8 +139,8 @@ def available() -> bool:
 
 def integer_prompts() -> bool:
     """Whether 16-bit integer activations read prompts faster than fp32 BLAS here: the AVX-512 variant on a CPU
-    with AVX512-VNNI (`vpdpwssd`), ~2.5x BLAS at 128 tokens on a Zen 4. At AVX2 (`pmaddwd`) BLAS is faster
-    from a few hundred tokens, so prompts stay fp32 there (`quantize.round_activations`)."""
+    with AVX512-VNNI (`vpdpwssd`): about twice the dequantize-and-BLAS prefill on a Zen 4. At AVX2 (`pmaddwd`)
+    BLAS is faster from a few hundred tokens, so prompts stay fp32 there (`quantize.round_activations`)."""
     return level() == "avx512" and "avx512_vnni" in isa.cpuinfo()[1] and available()
 
 

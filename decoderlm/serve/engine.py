@@ -270,7 +270,7 @@ class Engine:
         groups = ([c for c in plan.prefill if c[1] >= DENSE_TOKENS], [c for c in plan.prefill if c[1] < DENSE_TOKENS]) if self.two_paths else (plan.prefill,)
         for group in groups:
             if group:
-                with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.activations)
+                with reading_prompt():  # a prompt's arithmetic, as `generate` reads it (BlockLinear.prompt_activations)
                     last = self._forward(group)
                 done = [i for i, (seq, _) in enumerate(group) if seq.pending == 0]
                 logits.append(last[done])

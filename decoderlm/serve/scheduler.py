@@ -8,8 +8,9 @@ growing sequence finds the pool empty, the most recently admitted sequence is pr
 go back to the pool and it waits at the head of the queue, to be recomputed from its tokens later
 (its full blocks usually still sit in the prefix cache, so that is cheap).
 
-A quantized model computes a forward of `min_chunk` tokens per sequence or more on another path than
-shorter ones (decoderlm.quantize.DENSE_TOKENS), with other rounding. So that every prompt token takes
+A quantized model that reads prompts in fp32 computes a forward of `min_chunk` tokens per sequence or more
+on another path than shorter ones (decoderlm.quantize.DENSE_TOKENS), with other rounding; one that reads
+them in int16 (`auto` on AVX512-VNNI) has one path, and min_chunk is 1. So that every prompt token takes
 the path `generate` gives it when it reads the whole prompt alone, a prompt of min_chunk tokens or
 more is read in chunks of at least min_chunk tokens, at least that many of it are computed even when
 the prefix cache holds more, and the prefix cache shares blocks only between prompts on the same side
