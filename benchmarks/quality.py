@@ -112,7 +112,8 @@ def stepwise_predictions(model: Transformer, inputs: dict[str, list[int]]) -> di
 
 
 def decodes_otherwise(model: Transformer) -> bool:
-    """Whether the model's decode steps round activations (`BlockLinear.activations`), its prompts not."""
+    """Whether the model's decode steps round activations (`BlockLinear.activations`); its prompts may not
+    (`prompt_activations`: fp32 but for `auto` on AVX512-VNNI)."""
     return any(getattr(layer, "activations", "fp32") != "fp32" for layer in model.modules())
 
 
