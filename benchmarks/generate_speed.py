@@ -3,7 +3,7 @@
 The model is the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF). decoderlm runs it in every mode
 of benchmarks/modes.py (fp32; bf16; int8 / int4 weights; auto, the default: this Q4_1 file's blocks with
 16-bit activations in decode steps; fp32-act: the same blocks in fp32 arithmetic; int8-act: with
-llama.cpp's int8 activations);
+llama.cpp's int8 activations; on a CPU with AMX, "auto no-amx" is the default with its batches off the tiles);
 transformers dequantizes it and runs in fp32 and in bf16; llama.cpp (llama-cpp-python, optional) runs
 the Q4_1 weights as they are. Each engine decodes greedy tokens for the same prompt ids, the torch
 engines all on this one thread (see transformers_engine); time to the first token measures prefill,
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import compiled, isa
+from decoderlm import compiled, isa, kernels
 from decoderlm import SamplingParams, load, stream
 from decoderlm.names import DEFAULT_MODEL, locate
 
@@ -63,6 +63,7 @@ Engine = Callable[[list[int], int], Iterable[int] | Iterable[tuple[float, int]]]
 DECODERLM = {f"decoderlm {mode}": kwargs for mode, kwargs in MODES.items()}
 COMPILED = "decoderlm auto compiled"  # the default mode through the compiled step: chat's decode from its second run
 COMPILED_INT8_ACT = "decoderlm int8-act compiled"  # --activations int8 through its compiled step
+NO_AMX = "decoderlm auto no-amx"  # the default with its batches off AMX's tiles (DECODERLM_AMX=off), where the CPU has them
 TRANSFORMERS = {"transformers": torch.float32, "transformers bf16": torch.bfloat16}
 BASES = ("transformers bf16", "llama.cpp")  # the ratio columns: the issue's targets are set against these
 COLD_MESSAGE = "What is the capital of France?"
@@ -130,6 +131,17 @@ def decoderlm_engine(gguf: Path, load_kwargs: dict, compile: bool = False) -> En
     model, _ = load(gguf, **load_kwargs)
     step = compiled.CompiledDecoder(model) if compile else None
     return lambda ids, n: stream(model, ids, SamplingParams(temperature=0, max_new_tokens=n), step=step)
+
+
+def without_amx(engine: Engine) -> Engine:
+    """`engine` with decoderlm's batches off AMX's tiles while it runs (the same bits, the vector kernels' speed)."""
+    def run(ids: list[int], n: int) -> Iterable[int]:
+        kernels.amx(False)
+        try:
+            yield from engine(ids, n)
+        finally:
+            kernels.amx(True)
+    return run
 
 
 def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
@@ -231,6 +243,7 @@ def speed(gguf: Path, names: list[str], args: argparse.Namespace) -> tuple[dict[
         **{name: (lambda kw=kw: decoderlm_engine(gguf, kw)) for name, kw in DECODERLM.items()},
         COMPILED: lambda: decoderlm_engine(gguf, MODES["auto"], compile=True),
         COMPILED_INT8_ACT: lambda: decoderlm_engine(gguf, MODES["int8-act"], compile=True),
+        NO_AMX: lambda: without_amx(decoderlm_engine(gguf, MODES["auto"])),
         **{name: (lambda dt=dt: transformers_engine(gguf, dt)) for name, dt in TRANSFORMERS.items()},
         "llama.cpp": lambda: llamacpp_engine(gguf, args.threads),
     }
@@ -370,7 +383,7 @@ def main() -> None:
     ap.add_argument("--cold-runs", type=int, default=3, help="cold-start runs per engine (0: skip the cold-start pass)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="for every engine (default: torch's)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: results/generate_speed[_ISA].json)")
-    all_engines = [*DECODERLM, COMPILED, COMPILED_INT8_ACT, *TRANSFORMERS, "llama.cpp"]
+    all_engines = [*DECODERLM, COMPILED, COMPILED_INT8_ACT, *([NO_AMX] if kernels.amx() else []), *TRANSFORMERS, "llama.cpp"]
     ap.add_argument("--engines", nargs="*", default=None, help=f"subset of: {', '.join(all_engines)}")
     ap.add_argument("--isa", choices=("native", *isa.LEVELS), default="native",
                     help="the CPU level the torch engines run at, as on a CPU that has no more (llama.cpp runs as built)")

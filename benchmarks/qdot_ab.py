@@ -62,7 +62,10 @@ def build(revision: str | None, name: str, folder: Path) -> ctypes.CDLL:
                             str(src / "qdot.c"), "-o", str(lib)], capture_output=True, text=True)
     if built.returncode:
         raise SystemExit(f"qdot_ab: qdot.c of {revision or 'the working tree'} does not compile: {built.stderr.strip()[:300]}")
-    return ctypes.CDLL(str(lib))
+    lib = ctypes.CDLL(str(lib))
+    if hasattr(lib, "amx_tiles"):  # a version with AMX batches uses them as decoderlm's kernels here do (DECODERLM_AMX)
+        lib.amx_tiles(int(kernels.amx()))
+    return lib
 
 
 def measure(libs: dict[str, ctypes.CDLL], n: int, k: int, bits: int, rows: int, copies: int, repeats: int) -> dict:

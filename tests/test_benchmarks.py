@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from decoderlm import isa, load
+from decoderlm import isa, kernels, load
 from decoderlm.cli import build_parser
 from decoderlm.perplexity import perplexity
 from decoderlm.quantize import MODES as QUANTIZE_MODES
@@ -244,6 +244,20 @@ def test_a_faithful_mode_keeps_fp32s_answers_where_they_were_asked(tmp_path, mon
     (tmp_path / "quality.json").write_text(json.dumps(quality))
     monkeypatch.setattr(speed, "QUALITY", tmp_path / "quality.json")
     assert speed.faithful_modes() == {"decoderlm fp32": True, "decoderlm auto": True, "decoderlm int8-act": False, "decoderlm bf16": False}
+
+
+@pytest.mark.skipif(not kernels.amx(), reason="this CPU has no AMX tiles")
+def test_generate_speeds_no_amx_engine_runs_off_the_tiles_and_gives_them_back():
+    """generate_speed's "auto no-amx" row: the engine's own runs with the tiles off, the others' with them on."""
+    speed = benchmark("generate_speed")
+    seen = []
+
+    def engine(ids: list[int], n: int):
+        seen.append(kernels.amx())
+        yield 1
+
+    assert list(speed.without_amx(engine)([1], 1)) == [1]
+    assert seen == [False] and kernels.amx()
 
 
 def test_qdot_ab_runs_two_builds_of_the_kernel_side_by_side(tmp_path):

@@ -5,6 +5,10 @@ and the plain variant (tests/test_cpu_levels.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -303,6 +307,39 @@ def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(k
         getattr(kernels.library(), f"{name}_{lv}")(x.data_ptr(), rows, x.shape[1], layer.blocks.data_ptr(), layer.block_scales.data_ptr(),
                                                      None if layer.block_offsets is None else layer.block_offsets.data_ptr(), outputs, y.data_ptr())
         assert torch.equal(y, qdot_reference(x, b, lv != "default", activations)), lv
+
+
+AMX = pytest.mark.skipif(not kernels.amx(), reason="this CPU has no AMX tiles (or the compiler does not know them)")
+
+
+@AMX
+@pytest.mark.parametrize("rows, blocks, outputs", [(64, 18, 45), (70, 19, 3000), (80, 1, 16), (97, 50, 6), (130, 18, 197)])
+@pytest.mark.parametrize("kind", QTYPES)
+def test_amx_tiles_give_the_batches_bits(kind, rows, blocks, outputs):
+    """Batches of 64 rows or more on AMX tiles, int16 x in two int8 digits (qdot.c's `amx_*`), bit for bit the
+    written-out arithmetic and the same call without tiles: partial groups of 16 rows (70, 97, 130), partial
+    tiles of 16 outputs (45, 6, 197), one block, and chains of odd and even lengths (18, 19, 50 blocks)."""
+    torch.manual_seed(rows)
+    b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
+    layer = q.BlockLinear.from_blocks(b)
+    x = torch.randn(rows, 32 * blocks) * torch.rand(1, 32 * blocks) * 3
+    try:
+        tiles = kernels.matmul(x, layer.blocks, layer.block_scales, layer.block_offsets, "int16")
+        assert kernels.amx(False) is False
+        vectors = kernels.matmul(x, layer.blocks, layer.block_scales, layer.block_offsets, "int16")
+    finally:
+        assert kernels.amx(True)
+    assert torch.equal(tiles, vectors)
+    assert torch.equal(tiles, qdot_reference(x, b, True, "int16"))
+
+
+@AMX
+def test_amx_is_off_when_asked_and_below_avx512():
+    """DECODERLM_AMX=off keeps batches off the tiles; a process held to AVX2 never uses them."""
+    code = "from decoderlm import kernels; print(kernels.amx())"
+    for env in ({"DECODERLM_AMX": "off"}, isa.env("avx2")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False", env
 
 
 @settings(max_examples=15, deadline=None)

@@ -14,7 +14,7 @@ first rotate q and k and store k and v in the same call (`rope_attend_one`);
 `norm.c` is RMSNorm (`rms_norm`): two small ops of a decode step that cost most in torch's dispatch.
 
 These files are compiled on first use with the machine's C compiler, once for each
-instruction set (AVX-512, with VNNI where the CPU has it; AVX2; SSE4.1), and linked with `ops.cpp` (the same kernels as torch operators, for compiled
+instruction set (AVX-512, with VNNI and AMX where the CPU has them; AVX2; SSE4.1), and linked with `ops.cpp` (the same kernels as torch operators, for compiled
 steps) into a library cached under `~/.cache/decoderlm` (or `$DECODERLM_CACHE`); the variant that
 runs is the level torch runs at (`decoderlm.isa`), so a process held to AVX2 runs the AVX2 code.
 Eager code calls the kernels through ctypes (the GIL released); a compiled graph calls the operators.
@@ -45,6 +45,7 @@ OPS, HEADERS = HERE / "ops.cpp", sorted(HERE.glob("*.h"))  # the headers the C f
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
             "default": (4, ["-msse4.1"])}
 VNNI = ["-mavx512vnni"]  # added to the AVX-512 variant on a CPU with AVX512-VNNI (vpdpbusd)
+AMX = ["-mamx-tile", "-mamx-int8"]  # and AMX's, where the CPU has its tiles and the compiler knows them
 FLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off"]  # no contraction: a tile's every product is rounded as in every other
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,36 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, f"rms_norm_{name}")
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
     lib.use_level(list(VARIANTS).index(level()))
+    if level() == "avx512" and hasattr(lib, "amx_tiles"):
+        lib.amx_tiles(int(os.environ.get("DECODERLM_AMX", "on").lower() not in ("0", "off", "no")))
     return lib
 
 
 def variants() -> dict[str, tuple[int, list[str]]]:
-    """VARIANTS as this machine builds them (VNNI where the CPU has it)."""
-    vnni = "avx512_vnni" in isa.cpuinfo()[1]
-    return {name: (width, flags + VNNI if name == "avx512" and vnni else flags) for name, (width, flags) in VARIANTS.items()}
+    """VARIANTS as this machine builds them (VNNI and AMX where the CPU has them)."""
+    cpu = isa.cpuinfo()[1]
+    extra = (VNNI if "avx512_vnni" in cpu else []) + (AMX if {"amx_tile", "amx_int8"} <= cpu and _compiles(*AMX) else [])
+    return {name: (width, flags + extra if name == "avx512" else flags) for name, (width, flags) in VARIANTS.items()}
+
+
+@cache
+def _compiles(*flags: str) -> bool:
+    """Whether the C compiler takes these flags (AMX's need GCC 11 or clang 12)."""
+    cc = os.environ.get("CC", "cc")
+    try:
+        return subprocess.run([cc, *flags, "-x", "c", "-c", "-", "-o", os.devnull], input="", capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether batches of 8 rows or more at the AVX-512 level multiply on AMX tiles (qdot.c; the same bits as
+    without them); on=True or False switches them, where they exist (tests and benchmarks compare both).
+    Off with DECODERLM_AMX=off."""
+    lib = library()
+    if lib is None or level() != "avx512" or not hasattr(lib, "amx_tiles"):
+        return False
+    return bool(lib.amx_tiles(-1 if on is None else int(on)))
 
 
 def level() -> str | None:

@@ -24,10 +24,12 @@
  * to 16 bits once for up to 8 rows, and the lanes of 4 rows (2 below AVX-512) added into one S per (row,
  * block). At AVX-512 a batch of MZ rows or more puts its rows in the lanes instead (`batch_tile`): 16 rows
  * of x against each weight pair broadcast. Either way a weight is read once per call however many rows.
+ * Where the CPU has AMX (and Linux grants its tiles, `amx_tiles`), a batch of MA rows or more multiplies
+ * on the tile unit instead (`amx_*`): the same S and the same float steps.
  *
  * Compiled once per instruction set with VL = 16 (AVX-512, with vpdpbusd / vpdpwssd where the CPU has
- * VNNI), 8 (AVX2) or 4 (SSE4.1), and NAME = the suffix of its entry points; and once per DIGITS, whose
- * entry points are q4x8_matmul_NAME / q8x8_matmul_NAME (1) and q4x16_matmul_NAME / q8x16_matmul_NAME (2).
+ * VNNI, and tdpbusd / tdpbssd where it has AMX-INT8), 8 (AVX2) or 4 (SSE4.1), and NAME = the suffix of its
+ * entry points; and once per DIGITS, whose entry points are q4x8_matmul_NAME / q8x8_matmul_NAME (1) and q4x16_matmul_NAME / q8x16_matmul_NAME (2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -723,7 +725,163 @@ static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const 
 }
 BATCH(q4, widen_q4, uint8_t)
 BATCH(q8, widen_q8, int8_t)
-#define BATCH_CALL(KIND) if (M >= MZ) { CAT(batch_##KIND, NAME)(x, M, K, q, d, m, N, y); return; }
+
+#ifdef __AMX_INT8__
+/* Batches on AMX (Intel's tile unit): `tdpbusd` multiplies 16 outputs' weights (a block's 32, as bytes) by the
+ * same 32 inputs of 16 rows of x (int8) and sums each (output, row) in int32 exactly, 8192 products an
+ * instruction. Each block of 16 outputs × 16 rows takes two such products, one per digit of x (qx = 255·hi +
+ * lo, as for one row above), into two int32 tiles; their S = 255·S_hi + S_lo then takes the float step of
+ * every other path, in its order (chains by block mod 4, (A0 + A2) + (A1 + A3)), with rows in a vector's
+ * lanes. Same S, same steps: the same bits as without tiles. Linux lends a process the tiles when asked
+ * (`amx_tiles`). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MA 64  /* fewer rows: `wide` or `batch` are as fast (docs/performance.md) */
+static int amx_on;  /* batches on the tiles: asked for and allowed */
+
+/* Asks Linux for the tile state once (want = 1) or stops using it (0); returns whether batches use the tiles
+ * (want < 0: only that). */
+int amx_tiles(int want) {
+    static int allowed = -1;
+    if (want < 0) return amx_on;
+    if (want && allowed < 0) allowed = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_on = want && allowed > 0;
+}
+
+typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+/* Tiles 0-3: int32 sums (16 outputs × 16 rows); 4, 5: weights (16 outputs × a block's 32 inputs); 6, 7: x's two
+ * digits (8 rows of inputs 4k..4k+3 of 16 rows of x, so that an output's row of sums holds the 16 rows). */
+static void configure_tiles(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = t < 6 ? 16 : 8, c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+    _tile_loadconfig(&c);
+}
+
+/* Block b of every row of x (M, K), rounded, as two tiles of digits per group of 16 rows at xt + (g·B + b)·1024:
+ * [digit][k / 4][row][k % 4]; dx and sx at dxt, sxt + (g·B + b)·16, [row]. */
+static void digits_block(const float *x, int64_t M, int64_t K, int64_t b, int8_t *xt, float *dxt, float *sxt) {
+    const int64_t B = K / 32;
+    for (int64_t r = 0; r < M; r++) {
+        int32_t v[32], total;
+        const float dx = round_block(x + r * K + 32 * b, v, &total);
+        const int64_t at = (r / 16 * B + b) * 16, l = r % 16;
+        for (int h = 0; h < 2; h++) {  /* inputs 16h..16h+15: four dwords of each digit, 64 bytes apart */
+            const vi q = (vi)_mm512_loadu_si512(v + 16 * h), hi = __builtin_convertvector(vround(tofloat(q) / 255.0f), vi);
+            int32_t dh[4], dl[4];
+            _mm_storeu_si128((__m128i *)dh, _mm512_cvtepi32_epi8((__m512i)hi)), _mm_storeu_si128((__m128i *)dl, _mm512_cvtepi32_epi8((__m512i)(q - 255 * hi)));
+            for (int i = 0; i < 4; i++)
+                memcpy(xt + at * 64 + 64 * (4 * h + i) + 4 * l, dh + i, 4), memcpy(xt + at * 64 + 512 + 64 * (4 * h + i) + 4 * l, dl + i, 4);
+        }
+        dxt[at + l] = dx, sxt[at + l] = dx * (float)total;
+    }
+}
+
+/* Outputs [n0, n0 + nrc) as weight tiles, block b's 16 × 32 bytes at wt + 512·b (outputs past nrc 0), and their
+ * scales as fp32 at dw, mw + 16·b. Q8_0's full tiles are read in place instead (TILE_OF_q8). */
+static void tiles_q4(const uint8_t *q, const _Float16 *d, const _Float16 *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
+    const int64_t B = K / 32;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < B; b++)
+        for (int n = 0; n < 16; n++) {
+            const __m128i v = n < nrc ? _mm_loadu_si128((const __m128i *)(q + (n0 + n) * (K / 2) + 16 * b)) : _mm_setzero_si128();
+            _mm_store_si128((__m128i *)(wt + 512 * b + 32 * n), _mm_and_si128(v, low));
+            _mm_store_si128((__m128i *)(wt + 512 * b + 32 * n + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+            dw[16 * b + n] = n < nrc ? (float)d[(n0 + n) * B + b] : 0, mw[16 * b + n] = n < nrc ? (float)m[(n0 + n) * B + b] : 0;
+        }
+}
+static void tiles_q8(const int8_t *q, const _Float16 *d, const _Float16 *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
+    const int64_t B = K / 32;
+    (void)m, (void)mw;
+    for (int64_t b = 0; b < B; b++)
+        for (int n = 0; n < 16; n++) {
+            if (nrc < 16) n < nrc ? memcpy(wt + 512 * b + 32 * n, q + (n0 + n) * K + 32 * b, 32) : memset(wt + 512 * b + 32 * n, 0, 32);
+            dw[16 * b + n] = n < nrc ? (float)d[(n0 + n) * B + b] : 0;
+        }
+}
+/* Block b's weight tile: (pointer, row stride). */
+#define TILE_OF_q4(b) wt + 512 * (b), 32
+#define TILE_OF_q8(b) (nrc < 16 ? wt + 512 * (b) : (const uint8_t *)q + n0 * K + 32 * (b)), (nrc < 16 ? 32 : K)
+#define LOAD_TILE(t, ...) _tile_loadd(t, __VA_ARGS__)  /* TILE_OF's two arguments expanded first */
+#define AMX_DOT_q4(c, w, x) _tile_dpbusd(c, w, x)  /* unsigned nibbles × signed digits */
+#define AMX_DOT_q8(c, w, x) _tile_dpbssd(c, w, x)
+/* Block b's products for the group (weights into tile w, sums into tiles c, c1: the tiles' numbers are literals). */
+#define AMX_BLOCK(KIND, w, c, c1, b) {                                                                    \
+    const int8_t *xb = xt + (g * B + (b)) * 1024;                                                         \
+    _tile_zero(c); _tile_zero(c1);                                                                        \
+    LOAD_TILE(w, TILE_OF_##KIND(b)); _tile_loadd(6, xb, 64); _tile_loadd(7, xb + 512, 64);                \
+    AMX_DOT_##KIND(c, w, 6); AMX_DOT_##KIND(c1, w, 7);                                                    \
+}
+/* The float step of block b's sums (s + 512·i: every output's row of 16 rows) into the chains A. */
+#define AMX_STEP(KIND, i, b) {                                                                            \
+    const vf dx = loadf(dxt + (g * B + (b)) * 16), sx = loadf(sxt + (g * B + (b)) * 16);                  \
+    for (int n = 0; n < 16; n++) {                                                                        \
+        const vi hi = (vi)_mm512_load_si512(s + 512 * (i) + 16 * n), S = (hi << 8) - hi + (vi)_mm512_load_si512(s + 512 * (i) + 256 + 16 * n); \
+        A[n] = fmadd(dw[16 * (b) + n] * dx, tofloat(S), A[n]);                                            \
+        if (Q4_##KIND) A[n] = fmadd((vf){0} + mw[16 * (b) + n], sx, A[n]);                                \
+    }                                                                                                     \
+}
+#define AMX_BATCH(KIND, T)                                                                                \
+static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d, \
+        const _Float16 *m, int64_t N, float *y) {                                                         \
+    const int64_t B = K / 32, groups = (M + 15) / 16, tiles = (N + 15) / 16;                              \
+    int8_t *xt = aligned_alloc(64, (size_t)(groups * B) * 1024);                                          \
+    float *dxt = aligned_alloc(64, (size_t)(groups * B) * 64), *sxt = aligned_alloc(64, (size_t)(groups * B) * 64); \
+    if (M % 16) {  /* the last group's rows past M: 0 */                                                  \
+        memset(xt + (groups - 1) * B * 1024, 0, (size_t)B * 1024);                                        \
+        memset(dxt + (groups - 1) * B * 16, 0, (size_t)B * 64), memset(sxt + (groups - 1) * B * 16, 0, (size_t)B * 64); \
+    }                                                                                                     \
+    _Pragma("omp parallel")                                                                               \
+    {                                                                                                     \
+        _Pragma("omp for schedule(static)")                                                               \
+        for (int64_t b = 0; b < B; b++) digits_block(x, M, K, b, xt, dxt, sxt);                           \
+        configure_tiles();                                                                                \
+        uint8_t *wt = aligned_alloc(64, (size_t)B * 512);                                                 \
+        float *dw = aligned_alloc(64, (size_t)B * 64), *mw = aligned_alloc(64, (size_t)B * 64);           \
+        int32_t *s = aligned_alloc(64, 4096);  /* two blocks' sums: [block][digit][output][row] */        \
+        float out[16][16] __attribute__((aligned(64)));                                                   \
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();                              \
+        for (int64_t t = tiles * id / nt; t < tiles * (id + 1) / nt; t++) {                               \
+            const int64_t n0 = 16 * t;                                                                    \
+            const int nrc = N - n0 < 16 ? (int)(N - n0) : 16;                                             \
+            tiles_##KIND((const T *)q, d, m, K, n0, nrc, wt, dw, mw);                                     \
+            for (int64_t g = 0; g < groups; g++) {                                                        \
+                vf part[2][16], A[16];                                                                    \
+                for (int c = 0; c < 4; c++) {                                                             \
+                    const int j = 2 * (c & 1) + (c >> 1);  /* chains 0, 2, 1, 3 */                        \
+                    for (int n = 0; n < 16; n++) A[n] = (vf){0};                                          \
+                    int64_t b = j;                                                                        \
+                    for (; b + 4 < B; b += 8) {  /* two blocks of the chain: the second's products overlap the first's step */ \
+                        AMX_BLOCK(KIND, 4, 0, 1, b) AMX_BLOCK(KIND, 5, 2, 3, b + 4)                       \
+                        _tile_stored(0, s, 64); _tile_stored(1, s + 256, 64);                             \
+                        _tile_stored(2, s + 512, 64); _tile_stored(3, s + 768, 64);                       \
+                        AMX_STEP(KIND, 0, b) AMX_STEP(KIND, 1, b + 4)                                     \
+                    }                                                                                     \
+                    if (b < B) {                                                                          \
+                        AMX_BLOCK(KIND, 4, 0, 1, b)                                                       \
+                        _tile_stored(0, s, 64); _tile_stored(1, s + 256, 64);                             \
+                        AMX_STEP(KIND, 0, b)                                                              \
+                    }                                                                                     \
+                    for (int n = 0; n < 16; n++) part[c >> 1][n] = c & 1 ? part[c >> 1][n] + A[n] : A[n]; \
+                }                                                                                         \
+                for (int n = 0; n < 16; n++) storef(out[n], part[0][n] + part[1][n]);                     \
+                for (int64_t r = 16 * g; r < M && r < 16 * g + 16; r++)                                   \
+                    for (int n = 0; n < nrc; n++) y[r * N + n0 + n] = out[n][r - 16 * g];                 \
+            }                                                                                             \
+        }                                                                                                 \
+        _tile_release();                                                                                  \
+        free(wt), free(dw), free(mw), free(s);                                                            \
+    }                                                                                                     \
+    free(xt), free(dxt), free(sxt);                                                                       \
+}
+AMX_BATCH(q4, uint8_t)
+AMX_BATCH(q8, int8_t)
+#define AMX_CALL(KIND) if (M >= MA && amx_on) { CAT(amx_##KIND, NAME)(x, M, K, q, d, m, N, y); return; }
+#else
+#define AMX_CALL(KIND)
+#endif
+#define BATCH_CALL(KIND) AMX_CALL(KIND) if (M >= MZ) { CAT(batch_##KIND, NAME)(x, M, K, q, d, m, N, y); return; }
 #else
 #define BATCH_CALL(KIND)
 #endif
