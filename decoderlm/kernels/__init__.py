@@ -45,7 +45,7 @@ OPS, HEADERS = HERE / "ops.cpp", sorted(HERE.glob("*.h"))  # the headers the C f
 VARIANTS = {"avx512": (16, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]), "avx2": (8, ["-mavx2", "-mfma", "-mf16c"]),
             "default": (4, ["-msse4.1"])}
 VNNI = ["-mavx512vnni"]  # added to the AVX-512 variant on a CPU with AVX512-VNNI (vpdpbusd)
-AMX = ["-mamx-tile", "-mamx-int8"]  # and AMX's, where the CPU has its tiles and the compiler knows them
+AMX = ["-mamx-tile", "-mamx-int8"]  # and AMX's, where the CPU has its tiles (and the compiler knows them: GCC 11, clang 12)
 FLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off"]  # no contraction: a tile's every product is rounded as in every other
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,18 @@ def cache_dir() -> Path:
 
 def build(out: Path) -> None:
     """Compile blocks.c and qdot.c for every level in VARIANTS and ops.cpp against torch's stable ABI, and
-    link them into the shared library `out`."""
+    link them into the shared library `out`; where the compiler does not know AMX's flags (GCC < 11), without
+    them (the vector kernels alone)."""
+    try:
+        compile_and_link(out, variants())
+    except subprocess.CalledProcessError:
+        if variants() == variants(amx=False):
+            raise
+        compile_and_link(out, variants(amx=False))
+
+
+def compile_and_link(out: Path, levels: dict[str, tuple[int, list[str]]]) -> None:
+    """`build` with these levels' flags."""
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
     torch_dir = Path(torch.__file__).parent
 
@@ -65,7 +76,7 @@ def build(out: Path) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
-        for level, (width, flags) in variants().items():
+        for level, (width, flags) in levels.items():
             for i, (source, own) in enumerate(UNITS):
                 objects.append(f"{tmp}/{i}-{source.stem}-{level}.o")
                 run(cc, *FLAGS, *flags, *own, f"-DVL={width}", f"-DNAME={level}", "-c", str(source), "-o", objects[-1])
@@ -122,21 +133,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def variants() -> dict[str, tuple[int, list[str]]]:
-    """VARIANTS as this machine builds them (VNNI and AMX where the CPU has them)."""
+def variants(amx: bool = True) -> dict[str, tuple[int, list[str]]]:
+    """VARIANTS as this machine builds them: VNNI's and AMX's flags where the CPU has them (amx=False: not AMX's)."""
     cpu = isa.cpuinfo()[1]
-    extra = (VNNI if "avx512_vnni" in cpu else []) + (AMX if {"amx_tile", "amx_int8"} <= cpu and _compiles(*AMX) else [])
+    extra = (VNNI if "avx512_vnni" in cpu else []) + (AMX if amx and {"amx_tile", "amx_int8"} <= cpu else [])
     return {name: (width, flags + extra if name == "avx512" else flags) for name, (width, flags) in VARIANTS.items()}
-
-
-@cache
-def _compiles(*flags: str) -> bool:
-    """Whether the C compiler takes these flags (AMX's need GCC 11 or clang 12)."""
-    cc = os.environ.get("CC", "cc")
-    try:
-        return subprocess.run([cc, *flags, "-x", "c", "-c", "-", "-o", os.devnull], input="", capture_output=True).returncode == 0
-    except OSError:
-        return False
 
 
 def amx(on: bool | None = None) -> bool:
