@@ -141,7 +141,7 @@ def variants(amx: bool = True) -> dict[str, tuple[int, list[str]]]:
 
 
 def amx(on: bool | None = None) -> bool:
-    """Whether batches of 8 rows or more at the AVX-512 level multiply on AMX tiles (qdot.c; the same bits as
+    """Whether batches of 32 rows or more at the AVX-512 level multiply on AMX tiles (qdot.c; the same bits as
     without them); on=True or False switches them, where they exist (tests and benchmarks compare both).
     Off with DECODERLM_AMX=off."""
     lib = library()

@@ -736,7 +736,7 @@ BATCH(q8, widen_q8, int8_t)
  * (`amx_tiles`). */
 #include <sys/syscall.h>
 #include <unistd.h>
-#define MA 64  /* fewer rows: `wide` or `batch` are as fast (docs/performance.md) */
+#define MA 32  /* fewer rows: the vector kernels are as fast (16 rows) or faster (8; docs/performance.md) */
 static int amx_on;  /* batches on the tiles: asked for and allowed */
 
 /* Asks Linux for the tile state once (want = 1) or stops using it (0); returns whether batches use the tiles
