@@ -78,7 +78,7 @@ def native_bf16() -> bool:
 def describe() -> dict[str, object]:
     """The machine facts a benchmark's JSON records: CPU model, cores, the level torch runs at and the native one."""
     model, flags = cpuinfo()
-    extras = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"))
+    extras = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"))
     return {"cpu": model, "cpus": os.cpu_count(), "isa": current(), "native_isa": native(), "flags": extras,
             "torch": torch.__version__}
 
