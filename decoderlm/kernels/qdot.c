@@ -295,6 +295,10 @@ static inline float round_block(const float *xb, int32_t v[32], int32_t *total) 
 
 typedef int8_t vb __attribute__((vector_size(VL)));
 
+/* The high digit of 16-bit values v = 255·hi + lo (hi, lo in -127..127): v/255 to the nearest integer. v/255 is
+ * never within 1/510 of a half, far more than fp32's error. */
+static inline vi high_digit(vi v) { return __builtin_convertvector(vround(tofloat(v) / 255.0f), vi); }
+
 #if DIGITS == 2
 /* Where input k of block j of a quad goes among the quad's 128 values in pair order (`pairs`): vector i of
  * the quad's lanes, its pair t, lane within the vector, first or second of the pair. */
@@ -340,8 +344,7 @@ static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) 
                 memcpy(&r, v + i, sizeof r);
                 const int at = (i < 16 ? 0 : 64) + 16 * j + i % 16;
 #if DIGITS == 2
-                /* hi = v/255 to the nearest integer: v/255 is never within 1/510 of a half, far more than fp32's error */
-                const vi hi = __builtin_convertvector(vround(__builtin_convertvector(r, vf) / 255.0f), vi);
+                const vi hi = high_digit(r);
                 const vb h = __builtin_convertvector(hi, vb), lo = __builtin_convertvector(r - 255 * hi, vb);
                 memcpy(o->q[0] + at, &h, VL), memcpy(o->q[1] + at, &lo, VL);
 #else
@@ -768,7 +771,7 @@ static void digits_block(const float *x, int64_t M, int64_t K, int64_t b, int8_t
         const float dx = round_block(x + r * K + 32 * b, v, &total);
         const int64_t at = (r / 16 * B + b) * 16, l = r % 16;
         for (int h = 0; h < 2; h++) {  /* inputs 16h..16h+15: four dwords of each digit, 64 bytes apart */
-            const vi q = (vi)_mm512_loadu_si512(v + 16 * h), hi = __builtin_convertvector(vround(tofloat(q) / 255.0f), vi);
+            const vi q = (vi)_mm512_loadu_si512(v + 16 * h), hi = high_digit(q);
             int32_t dh[4], dl[4];
             _mm_storeu_si128((__m128i *)dh, _mm512_cvtepi32_epi8((__m512i)hi)), _mm_storeu_si128((__m128i *)dl, _mm512_cvtepi32_epi8((__m512i)(q - 255 * hi)));
             for (int i = 0; i < 4; i++)
