@@ -30,7 +30,7 @@ from decoderlm.model.cache import Cache
 from decoderlm.model.mrope import ShiftedPositions, mrope_positions
 from decoderlm.model.vision import Images
 from decoderlm.quantize import reading_prompt
-from decoderlm.sampling import SamplingParams, finish_reason, scores, verify, warp
+from decoderlm.sampling import SamplingParams, finish_reason, greedy, scores, verify, warp
 
 
 class Step(Protocol):
@@ -188,7 +188,7 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
         seen = ids + guesses if guesses else ids  # no copy of the history on a plain step
         s = scores(logits, params, seen, len(ids), prompt_len)  # (n+1, V)
         if params.greedy:
-            choice = s.argmax(-1).tolist()
+            choice = greedy(s).tolist()
             kept = next((i for i, x in enumerate(guesses) if x != choice[i]), len(guesses))
             nxt = choice[kept]
         else:

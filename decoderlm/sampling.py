@@ -234,6 +234,12 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     return logits.softmax(dim=-1)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely id (B, V) → (B,): the first of equal maxima, a NaN before any number, as
+    argmax; torch's max over a row is vectorized where argmax is a scalar loop (~70 µs a 49k-token row)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            seen: torch.Tensor | None = None, prompt_len: int = 0) -> torch.Tensor:
     """Choose the next token for each row of logits (B, V) → (B,). seen (B, S): each row's prompt
@@ -242,7 +248,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = adjust(logits, [params] * seen.shape[0], seen.tolist(), [prompt_len] * seen.shape[0])
     logits = logits.float()
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     return torch.multinomial(warp(logits, [params]), 1, generator=generator).squeeze(-1)
 
 
@@ -254,7 +260,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], generat
     logits = logits.float()
     if seen is not None and any(p.needs_history for p in params):
         logits = adjust(logits, params, seen, prompt_lens or [0] * len(params))
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)

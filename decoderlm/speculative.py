@@ -29,7 +29,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.generate import Proposer, SpeculativeStats, Step, stream
 from decoderlm.kv_cache import KVCache
 from decoderlm.model import Transformer
-from decoderlm.sampling import SamplingParams, scores, warp
+from decoderlm.sampling import SamplingParams, greedy, scores, warp
 from decoderlm.tokenizer import Tokenizer
 
 # --- proposers --------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class DraftModel:
             # still exactly the distribution the guess is drawn from, so verification stays exact
             s = scores(self._fit(logits), params, ids + guesses, len(ids) + len(guesses))
             if params.greedy:
-                tok = int(s.argmax())
+                tok = int(greedy(s)[0])
             else:
                 q = warp(s, [params])[0]
                 tok = int(torch.multinomial(q, 1, generator=generator))

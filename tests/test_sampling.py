@@ -13,7 +13,7 @@ from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenal
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
 from decoderlm.loader import load
-from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p, sample
+from decoderlm.sampling import SamplingParams, apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p, greedy, sample
 
 VOCAB = 50
 seeds = st.integers(0, 2**31 - 1)
@@ -30,6 +30,18 @@ def test_top_k_keeps_exactly_the_k_best(seed, k):
     best = logits.topk(k, dim=-1).indices
     assert (kept.sum(-1) == k).all()
     assert kept.gather(-1, best).all()
+
+
+special = st.sampled_from([0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan")])
+
+
+@given(st.integers(1, 9), st.integers(1, 300), seeds, st.lists(st.tuples(st.integers(0, 10**6), special), max_size=12))
+def test_greedy_is_argmax(rows, vocab, seed, marks):
+    """Ties (first of equal maxima), infinities and NaNs (a NaN wins) as torch's argmax has them."""
+    logits = torch.randint(-3, 4, (rows, vocab), generator=torch.Generator().manual_seed(seed)).float()  # (B, V), many ties
+    for at, value in marks:
+        logits.view(-1)[at % logits.numel()] = value
+    assert torch.equal(greedy(logits), logits.argmax(-1))
 
 
 @given(seeds, st.integers(1, 10))

@@ -19,6 +19,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoderlm.errors import DecoderLMError
@@ -276,7 +277,7 @@ class Engine:
                 logits.append(last[done])
                 rows += [group[i][0] for i in done]
         if rows:
-            self._emit(rows, torch.cat(logits))
+            self._emit(rows, logits[0] if len(logits) == 1 else torch.cat(logits))
         self._publish()
 
     def _forward(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -298,11 +299,11 @@ class Engine:
         positions = [seq.num_computed for seq in seqs]
         tables = [seq.block_tables[0] for seq in seqs]  # the compiled step's models have one layer group
         slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
-        lengths = torch.tensor([min(len(t), width) for t in tables])
-        table = torch.full((len(seqs), width), NULL_BLOCK)  # (B, W): each row's blocks, then NULL_BLOCK
-        table[torch.arange(width) < lengths[:, None]] = torch.tensor([b for t in tables for b in t[:width]])  # row by row, in order
+        table = np.full((len(seqs), width), NULL_BLOCK, dtype=np.int64)  # (B, W): each row's blocks, then NULL_BLOCK
+        for row, t in zip(table, tables):
+            row[: len(t)] = t[:width]
         ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
-        logits = self.compiled(torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], torch.tensor(slots), table,
+        logits = self.compiled(torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], torch.tensor(slots), torch.from_numpy(table),
                                torch.tensor(positions) + 1)
         for seq in seqs:
             self.scheduler.computed(seq, 1)
