@@ -1,6 +1,7 @@
 """What decoderlm builds and keeps (~/.cache/decoderlm, or $DECODERLM_CACHE): its kernels' libraries
 (`blocks-KEY.so`) and, under `compiled/`, compiled steps' packages (`KEY.pt2`, with their `KEY.log`, the
-folders a server unpacks them into, `KEY.SIZE.MTIME.model`) and the GIL-releasing module (`released-KEY`).
+folders a server unpacks them into, `KEY.SIZE.MTIME.model`) and the GIL-releasing module (`released-KEY`);
+and the environment switches that keep a build from being made or used (`switched_off`).
 
 A new decoderlm version, a new torch or an edited source gives new keys, so without care the cache would
 keep every build ever made (150 MB after a day of development). Each use stamps its entry (`use`: a
@@ -11,11 +12,17 @@ them.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 
 KEEP_DAYS = 30
+
+
+def switched_off(variable: str) -> bool:
+    """Whether the environment variable turns its build off: 0, off or no, in any case (unset: on)."""
+    return os.environ.get(variable, "on").lower() in ("0", "off", "no")
 
 
 def key(name: str) -> str:

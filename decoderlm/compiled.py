@@ -139,7 +139,7 @@ def build_later(path: Path, flags: list[str], what: str) -> None:
     """Start `decoderlm compile` with `flags` in the background (nice 19, its own session: it outlives this
     process) to build the package `path` for later, unless it is being built, failed before, or
     DECODERLM_BACKGROUND_COMPILE is off; one line on stderr says so."""
-    if os.environ.get("DECODERLM_BACKGROUND_COMPILE", "on").lower() in ("0", "off", "no"):
+    if build_cache.switched_off("DECODERLM_BACKGROUND_COMPILE"):
         return
     if earlier_failure(path) or building(path):
         return

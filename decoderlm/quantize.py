@@ -281,8 +281,11 @@ def rescore(y: torch.Tensor, h: torch.Tensor, weight_rows: Callable[[torch.Tenso
     candidates a float path tells apart can tie in bf16; the exact values break such ties as the float
     path does. Scores outside a row's top EXACT_TOP keep their bf16 value (they are far below the best,
     and move a probability by < 0.4 %)."""
-    y = y.float()
-    top = y.topk(min(EXACT_TOP, y.shape[-1]), dim=-1).indices  # (N, k)
+    y, k = y.float(), min(EXACT_TOP, y.shape[-1])
+    if not kernels.available():
+        top = y.topk(k, dim=-1).indices  # (N, k)
+    else:  # the same set but for ties at the k-th value, which go to the lower index there
+        top = torch.ops.decoderlm.top_k(y.contiguous(), k) if torch.compiler.is_compiling() else kernels.top_k(y, k)
     exact = (weight_rows(top) * h.float()[:, None, :]).sum(-1)  # (N, k, in) · (N, 1, in) → (N, k)
     if bias is not None:
         exact = exact + bias.float()[top]

@@ -1,5 +1,6 @@
 """decoderlm's build cache (decoderlm/build_cache.py): each use stamps its entry, each build sweeps away the
-entries no run has used for a month, and the kernels' library stamps itself when it loads."""
+entries no run has used for a month, the kernels' library stamps itself when it loads, and a build's switch reads
+0, off or no as off."""
 
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def test_the_root_sweep_takes_only_kernel_libraries(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler here")
 def test_loading_the_kernels_stamps_their_library() -> None:
-    (library,) = [p for p in kernels.cache_dir().glob("blocks-*.so") if str(p) == kernels.library()._name]
+    library = Path(kernels.library()._name)  # in the cache that was $DECODERLM_CACHE when it loaded
     stamp = library.with_name(f"{library.name.split('.')[0]}.used")
     assert stamp.is_file() and time.time() - stamp.stat().st_mtime < 600
+
+
+@pytest.mark.parametrize("value, off", [(None, False), ("on", False), ("1", False), ("yes", False), ("0", True),
+                                        ("off", True), ("OFF", True), ("No", True)])
+def test_a_switch_is_off_for_0_off_or_no(monkeypatch, value, off):
+    if value is None:
+        monkeypatch.delenv("DECODERLM_SOME_BUILD", raising=False)
+    else:
+        monkeypatch.setenv("DECODERLM_SOME_BUILD", value)
+    assert build_cache.switched_off("DECODERLM_SOME_BUILD") is off

@@ -3,7 +3,7 @@
 whatever shares its batch, however many masked keys follow its own and whether its keys sit in a
 contiguous cache or in a paged pool's blocks; with RoPE and the cache write in the same call, those
 three steps' bits; RMSNorm (norm.c), within fp32 rounding, a row's result
-its own. Marked `isa`: make test runs them again at AVX2 and the plain level."""
+its own; each row's k largest values (top_k.c), exactly the stable sort's. Marked `isa`: make test runs them again at AVX2 and the plain level."""
 
 from __future__ import annotations
 
@@ -238,6 +238,24 @@ def test_rms_norm_is_the_exact_norm_and_a_rows_own(rows, N, eps, seed):
     torch.testing.assert_close(y.double(), exact, atol=1e-6, rtol=1e-5)
     i = seed % rows
     assert torch.equal(kernels.rms_norm(x[i : i + 1], w, eps), y[i : i + 1])
+
+
+special = st.sampled_from([0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), V=st.integers(1, 700), k=st.integers(1, 40), spread=st.sampled_from([2, 1000]),
+       marks=st.lists(st.tuples(st.integers(0, 10**6), special), max_size=10), seed=st.integers(0, 99))
+def test_top_k_is_the_stable_sorts_first_k(rows, V, k, spread, marks, seed):
+    """The k largest of each row, largest first and of equal values the lower index first (a stable sort
+    of -y), a NaN as +inf; many ties (spread 2), any width (past and within a vector); the operator too."""
+    k = min(k, V)
+    y = torch.randint(-spread, spread, (rows, V), generator=torch.Generator().manual_seed(seed)).float()  # (B, V)
+    for at, value in marks:
+        y.view(-1)[at % y.numel()] = value
+    expected = torch.sort(-torch.where(y.isnan(), float("inf"), y), dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(kernels.top_k(y, k), expected)
+    assert torch.equal(torch.ops.decoderlm.top_k(y, k), expected)
 
 
 def test_rms_norm_layer_uses_the_kernel_only_in_inference(monkeypatch):

@@ -1,5 +1,5 @@
-// blocks.c's and qdot.c's kernels as torch operators (decoderlm::block_matmul, block_matmul_int8x,
-// block_matmul_int16x, block_dequantize; their schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
+// blocks.c's, qdot.c's, attention.c's and top_k.c's kernels as torch operators (decoderlm::block_matmul, block_matmul_int8x,
+// block_matmul_int16x, block_dequantize, attend_paged, top_k; their schemas and shapes are declared in __init__.py). A compiled step (AOTInductor) calls an operator
 // written in C++ without going back to Python: ~3 µs a call against ~15 through Python, ~200 calls a token.
 // Written against torch's stable ABI, whose headers compile in a second.
 #include <torch/csrc/stable/library.h>
@@ -28,7 +28,8 @@ typedef void (*dequantize_fn)(const void *q, const void *d, const void *m, int64
   void q8_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);  \
   void attend_one_##level(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *, int64_t, \
                           int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,   \
-                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);                          \
+  void top_k_##level(const float *, int64_t, int64_t, int64_t, int64_t *);
 DECLARE(avx512)
 DECLARE(avx2)
 DECLARE(default)
@@ -49,6 +50,8 @@ typedef void (*attend_fn)(const float *, int64_t, int64_t, const float *, int64_
                           int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);
 const attend_fn ATTEND[3] = {attend_one_avx512, attend_one_avx2, attend_one_default};
+typedef void (*top_k_fn)(const float *, int64_t, int64_t, int64_t, int64_t *);
+const top_k_fn TOP_K[3] = {top_k_avx512, top_k_avx2, top_k_default};
 int level = -1;  // set once by Python (use_level): the level torch runs at
 
 void check(const Tensor &q, const Tensor &d, const std::optional<Tensor> &m) {
@@ -105,6 +108,16 @@ Tensor attend_paged(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, dou
                 static_cast<float *>(y.data_ptr()));
   return y;
 }
+
+// The indices (N, k) of each row's k largest values of y (N, V) (top_k.c): largest first, of equal ones the lower index.
+Tensor top_k(Tensor y, int64_t k) {
+  STD_TORCH_CHECK(level >= 0, "decoderlm's kernels were loaded without a level (kernels.library() sets it)");
+  STD_TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == ScalarType::Float && 0 < k && k <= y.size(1),
+                  "top_k: y (N, V) fp32, contiguous, and 0 < k <= V");
+  Tensor out = torch::stable::new_empty(y, {y.size(0), k}, ScalarType::Long);
+  TOP_K[level](static_cast<const float *>(y.data_ptr()), y.size(0), y.size(1), k, static_cast<int64_t *>(out.data_ptr()));
+  return out;
+}
 }  // namespace
 
 extern "C" void use_level(int index) { level = index; }
@@ -115,4 +128,5 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("block_matmul_int16x", TORCH_BOX(&block_matmul_int16x));
   m.impl("block_dequantize", TORCH_BOX(&block_dequantize));
   m.impl("attend_paged", TORCH_BOX(&attend_paged));
+  m.impl("top_k", TORCH_BOX(&top_k));
 }
