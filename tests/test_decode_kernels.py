@@ -258,6 +258,12 @@ def test_top_k_is_the_stable_sorts_first_k(rows, V, k, spread, marks, seed):
     assert torch.equal(torch.ops.decoderlm.top_k(y, k), expected)
 
 
+def test_top_k_refuses_what_it_cannot_read():
+    for y, k in ((torch.zeros(2, 5), 6), (torch.zeros(2, 5), 0), (torch.zeros(2, 5, dtype=torch.float64), 2), (torch.zeros(5), 2)):
+        with pytest.raises(ValueError, match="top_k"):
+            kernels.top_k(y, k)
+
+
 def test_rms_norm_layer_uses_the_kernel_only_in_inference(monkeypatch):
     norm = RMSNorm(48, 1e-5)
     torch.nn.init.normal_(norm.weight)

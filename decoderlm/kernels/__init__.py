@@ -220,7 +220,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def top_k(y: torch.Tensor, k: int) -> torch.Tensor:
     """The indices (N, k) of each row's k largest values of fp32 y (N, V), 0 < k <= V (top_k.c): largest first,
-    of equal values the lower index; a NaN counts as +inf. torch's topk takes ~10x as long over a vocabulary."""
+    of equal values the lower index; a NaN counts as +inf. 3-4x faster than torch's topk over a vocabulary."""
+    if y.dtype != torch.float32 or y.dim() != 2 or not 0 < k <= y.shape[1]:
+        raise ValueError(f"top_k: y (N, V) fp32 and 0 < k <= V, got {tuple(y.shape)} {y.dtype} and k={k}")
     y = y.contiguous()
     out = torch.empty(y.shape[0], k, dtype=torch.long)
     function("top_k")(y.data_ptr(), y.shape[0], y.shape[1], k, out.data_ptr())

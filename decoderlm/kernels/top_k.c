@@ -21,6 +21,12 @@ static inline int64_t weakest(const float *val, const int64_t *idx, int64_t k) {
     return w;
 }
 
+/* Value i of the row enters the kept slots if it beats their weakest, w (a NaN as +inf); w is then found again. */
+static inline void consider(const float *yr, int64_t i, float *val, int64_t *idx, int64_t k, int64_t *w) {
+    const float v = isnan(yr[i]) ? INFINITY : yr[i];
+    if (v > val[*w]) val[*w] = v, idx[*w] = i, *w = weakest(val, idx, k);
+}
+
 /* The lanes of x above t or NaN (not less than or equal), as bits. */
 static inline unsigned above(vf x, vf t) {
 #if VL == 16
@@ -42,15 +48,9 @@ void CAT(top_k, NAME)(const float *y, int64_t N, int64_t V, int64_t k, int64_t *
         for (int64_t j = 0; j < k; j++) val[j] = isnan(yr[j]) ? INFINITY : yr[j], idx[j] = j;
         int64_t w = weakest(val, idx, k), i = k;
         for (; i + VL <= V; i += VL)  /* a vector at a time; its lanes above the threshold one by one, in order */
-            for (unsigned bits = above(loadf(yr + i), (vf){0} + val[w]); bits; bits &= bits - 1) {
-                const int64_t at = i + __builtin_ctz(bits);
-                const float v = isnan(yr[at]) ? INFINITY : yr[at];
-                if (v > val[w]) val[w] = v, idx[w] = at, w = weakest(val, idx, k);  /* the threshold may have risen */
-            }
-        for (; i < V; i++) {
-            const float v = isnan(yr[i]) ? INFINITY : yr[i];
-            if (v > val[w]) val[w] = v, idx[w] = i, w = weakest(val, idx, k);
-        }
+            for (unsigned bits = above(loadf(yr + i), (vf){0} + val[w]); bits; bits &= bits - 1)
+                consider(yr, i + __builtin_ctz(bits), val, idx, k, &w);  /* the threshold may have risen: checked again */
+        for (; i < V; i++) consider(yr, i, val, idx, k, &w);
         for (int64_t a = 1; a < k; a++)  /* insertion sort: larger value first, then lower index */
             for (int64_t b = a; b > 0 && (val[b] > val[b - 1] || (val[b] == val[b - 1] && idx[b] < idx[b - 1])); b--) {
                 const float tv = val[b]; val[b] = val[b - 1], val[b - 1] = tv;
