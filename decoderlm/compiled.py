@@ -99,7 +99,9 @@ def build_package(path: Path, model: Transformer, export: Callable[[], torch.exp
             # Without the weights where none is derived from them (decoderlm's blocks go to its kernels as
             # they are): the package stays a few MB, and loading it reads no second copy of the model.
             own = not any(isinstance(m, Int4Linear) for m in model.modules())
-            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own}):
+            # emulate_precision_casts: a value cast to a lower precision inside a fused kernel is rounded as eager
+            # rounds it (keys and values to fp16, `Attention.kv_dtype`); inductor would otherwise keep it in fp32.
+            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": not own, "emulate_precision_casts": True}):
                 torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
         os.replace(tmp, path)  # atomic: a concurrent run never loads half a package
     except Exception as e:

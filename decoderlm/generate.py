@@ -24,7 +24,7 @@ import torch
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.kernel_step import KernelStep
-from decoderlm.kv_cache import KVCache, cache_for
+from decoderlm.kv_cache import KVCache, cache_dtype, cache_for
 from decoderlm.model import Transformer
 from decoderlm.model.cache import Cache
 from decoderlm.model.mrope import ShiftedPositions, mrope_positions
@@ -129,8 +129,7 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     cached key or value stays exact: each further step runs one cache-free forward over the window, as
     recomputation would, and checks no guesses.
     """
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    device = next(model.parameters()).device
     max_len, prompt_len, budget = model.config.max_seq_len, len(ids), params.max_new_tokens
     generator = params.generator(device)
     if not budget:
@@ -142,7 +141,8 @@ def _decode(model: Transformer, ids: list[int], params: SamplingParams, proposer
     def fresh_cache():  # the compiled step's static cache (loaded once: the same again), else an eager one
         if step is not None:
             return step.new_cache(n_slots)
-        return KVCache(model.config, 1, n_slots, dtype=dtype, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=dtype, device=device)
+        kv = cache_dtype(model)  # fp16 where the model keeps its keys so (`kv_cache.store_keys_in`)
+        return KVCache(model.config, 1, n_slots, dtype=kv, device=device) if proposer else cache_for(model.config, 1, n_slots, dtype=kv, device=device)
 
     if proposer is not None or images is not None:
         step = None  # a proposer's multi-token checks and an image prompt run eagerly

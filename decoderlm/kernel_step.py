@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from decoderlm import kernels
-from decoderlm.kv_cache import KVCache
+from decoderlm.kv_cache import KVCache, cache_dtype
 from decoderlm.model import Transformer
 from decoderlm.model.attention import Attention
 from decoderlm.model.mlp import MLP
@@ -110,7 +110,7 @@ class KernelStep:
         return None if unsupported(model) else cls(model)
 
     def new_cache(self, n_slots: int) -> KVCache:
-        return KVCache(self.model.config, 1, n_slots, device=self.model.norm.weight.device)
+        return KVCache(self.model.config, 1, n_slots, dtype=cache_dtype(self.model), device=self.model.norm.weight.device)
 
     def step(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one token per row (B,) at the cache's next position; return its logits (B, V)."""

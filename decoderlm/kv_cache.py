@@ -21,6 +21,7 @@ import torch
 from decoderlm import kernels
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import Attention
 from decoderlm.model.cache import aligned, build_mask, causal_mask, default_positions
 
 
@@ -33,7 +34,7 @@ class KVCache:
         (k_heads, k_width), (v_heads, v_width) = config.kv_cache_widths  # (B, Hkv, L, D) each (MLA: the latent and the RoPE key)
         self.k = [torch.zeros((batch_size, k_heads, aligned(max_len), k_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.v = [torch.zeros((batch_size, v_heads, aligned(max_len), v_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.max_len = max_len
+        self.max_len, self.dtype = max_len, dtype
         self.length = 0  # slots already filled, the same for every layer
 
     def positions(self, T: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -44,12 +45,24 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) after the filled slots; return the keys/values of every token so
-        far and of the masked slots up to a multiple of 16 (B, Hkv, L, D)."""
+        far and of the masked slots up to a multiple of 16 (B, Hkv, L, D), in k's dtype."""
+        keys, values = self.write(layer, k, v)
+        return keys.to(k.dtype), values.to(v.dtype)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` without the conversion: views of the buffers, in the cache's dtype."""
         end = self.room(k.shape[2])
         keys, values = self.k[layer], self.v[layer]
         keys.narrow(2, self.length, end - self.length).copy_(k)
         values.narrow(2, self.length, end - self.length).copy_(v)
         return keys.narrow(2, 0, aligned(end)), values.narrow(2, 0, aligned(end))
+
+    def attend_one(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+        """A decode step's attention (B, H, 1, D) on decoderlm's kernel, over the buffers as they are (fp16 ones
+        too): k, v (B, Hkv, 1, D) are written first."""
+        keys, values = self.write(layer, k, v)
+        return kernels.attend_one(q, keys, values, mask, scale)
 
     def rope_attend_one(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                         scale: float) -> torch.Tensor:
@@ -119,11 +132,11 @@ class RollingKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the ring and the new k, v (B, Hkv, W-1 + T, D); then keep the newest W-1 in the ring."""
-        keys, values = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
+        keys, values = torch.cat((self.k[layer].to(k.dtype), k), dim=2), torch.cat((self.v[layer].to(v.dtype), v), dim=2)
         keep, slots = self._slots(k.shape[2], k.device)
         if keep:
-            self.k[layer][:, :, slots] = k[:, :, -keep:]
-            self.v[layer][:, :, slots] = v[:, :, -keep:]
+            self.k[layer][:, :, slots] = k[:, :, -keep:].to(self.k[layer].dtype)
+            self.v[layer][:, :, slots] = v[:, :, -keep:].to(self.v[layer].dtype)
         return keys, values
 
     def advance(self, n: int) -> None:
@@ -179,6 +192,22 @@ class HybridKVCache:
         return self.full.nbytes() + self.rolling.nbytes()
 
 
+def store_keys_in(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
+    """Keep every attention layer's keys and values in `dtype` (float16: half the cache's bytes; None: the
+    model's own dtype): each layer rounds k and v to it in every path (`Attention.kv_dtype`), and caches made
+    with `cache_dtype` store them so. The number of layers set (multi-head latent attention keeps its latent as is)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.kv_dtype = dtype
+    return len(layers)
+
+
+def cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a cache for this model stores keys and values in: its attention layers' `kv_dtype`, else its own."""
+    kinds = {m.kv_dtype for m in model.modules() if isinstance(m, Attention)} - {None}
+    return kinds.pop() if len(kinds) == 1 else model.norm.weight.dtype
+
+
 def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> KVCache | RollingKVCache | HybridKVCache:
     """The cache for up to max_len tokens: where a sliding window makes it smaller, a rolling one (every
@@ -228,9 +257,9 @@ class StaticKVCache:
         if not torch.compiler.is_compiling() and self.length + T > self.max_len:  # a compiled step is checked by its caller
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + T}")
         slots = self.pos + torch.arange(T, device=self.pos.device)  # (T,)
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
+        self.k[layer].index_copy_(2, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, slots, v.to(self.v[layer].dtype))
+        return self.k[layer].to(k.dtype), self.v[layer].to(v.dtype)
 
     def advance(self, n: int) -> None:
         self.pos.add_(n)

@@ -20,11 +20,13 @@ from decoderlm.formats import Format, detect, peft, runs
 from decoderlm.model import Transformer
 from decoderlm.model.fuse import fuse_projections
 from decoderlm.model.lora import merge_lora
-from decoderlm.quantize import ACTIVATIONS, parse_mode, round_activations
+from decoderlm.kv_cache import store_keys_in
+from decoderlm.quantize import ACTIVATIONS, BlockLinear, Int4Linear, Int8Linear, parse_mode, round_activations
 from decoderlm.quantize import quantize as quantize_weights
 from decoderlm.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE = {"auto": None, "fp16": torch.float16, "fp32": torch.float32}  # --kv-cache: what keys and values are kept in
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -37,7 +39,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str | None = None,
          device: str | torch.device = "cpu", fuse: bool = True, text: bool = True,
-         activations: str = "auto") -> tuple[Transformer, Tokenizer]:
+         activations: str = "auto", kv_cache: str = "auto") -> tuple[Transformer, Tokenizer]:
     """(model in eval mode, tokenizer) from any source decoderlm understands, built on `device`.
     quantize: "int8" or "int4" weights for faster CPU decoding (see `decoderlm.quantize`); "auto": a
     quantized GGUF keeps its own precision (Q4 blocks int4, Q8_0 and K-quants int8), anything else
@@ -50,13 +52,19 @@ def load(source: str | Path, dtype: str | torch.dtype = "float32", quantize: str
     (nearly the speed of int8 for one row, 1/65024 of a block's largest input from fp32); "int8",
     llama.cpp's arithmetic; "fp32"; "auto" (the default): int16 where there are such layers, else fp32.
     Prompts are read in fp32, but with "auto" on a CPU with AVX512-VNNI in int16, faster there than fp32
-    BLAS (`quantize.round_activations`)."""
+    BLAS (`quantize.round_activations`).
+    kv_cache: the precision keys and values are kept in (`kv_cache.store_keys_in`): "fp16", "fp32", or "auto"
+    (the default): fp16 for a model with quantized layers, as llama.cpp keeps its cache, else the model's dtype."""
     if activations not in ACTIVATIONS:
         raise DecoderLMError(f"activations {activations!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
+    if kv_cache not in KV_CACHE:
+        raise DecoderLMError(f"kv_cache {kv_cache!r} is not supported; use one of {', '.join(KV_CACHE)}")
     model, tokenizer = _load_weights(source, dtype, quantize, device, fuse, text)
     if not round_activations(model, activations) and activations in ("int16", "int8"):
         raise DecoderLMError(f"--activations {activations} needs layers on decoderlm's block kernels: a quantized GGUF with "
                              "--quantize auto, or --quantize int4 / int8, on an x86-64 CPU with a C compiler")
+    quantized = model.norm.weight.dtype == torch.float32 and any(isinstance(m, (BlockLinear, Int4Linear, Int8Linear)) for m in model.modules())
+    store_keys_in(model, KV_CACHE[kv_cache] or (torch.float16 if quantized else None))
     return model, tokenizer
 
 

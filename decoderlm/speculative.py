@@ -27,7 +27,7 @@ import torch
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import Proposer, SpeculativeStats, Step, stream
-from decoderlm.kv_cache import KVCache
+from decoderlm.kv_cache import KVCache, cache_dtype
 from decoderlm.model import Transformer
 from decoderlm.sampling import SamplingParams, greedy, scores, warp
 from decoderlm.tokenizer import Tokenizer
@@ -81,7 +81,7 @@ class DraftModel:
     def start(self, max_len: int, vocab_size: int) -> None:
         param = next(self.model.parameters())
         length = min(max_len, self.model.config.max_seq_len)
-        self.cache = KVCache(self.model.config, 1, length, dtype=param.dtype, device=param.device)
+        self.cache = KVCache(self.model.config, 1, length, dtype=cache_dtype(self.model), device=param.device)
         self.cached, self.vocab_size = [], vocab_size
 
     def propose(self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:

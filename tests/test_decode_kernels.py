@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decoderlm import kernels
-from decoderlm.kv_cache import KVCache
+from decoderlm.kv_cache import KVCache, cache_dtype, store_keys_in
 from decoderlm.model import attention
 from decoderlm.model.cache import aligned
 from decoderlm.model.fuse import fuse_projections
@@ -92,18 +92,33 @@ def test_a_key_counts_the_same_whichever_keys_share_its_vector(L, D, seed):
         assert torch.equal(shifted, alone), shift
 
 
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 3), Hkv=st.integers(1, 3), G=st.integers(1, 3), L=st.integers(1, 70), D=st.sampled_from([8, 24, 64, 128]),
+       masked=st.booleans(), seed=st.integers(0, 99))
+def test_an_fp16_cache_is_read_as_its_fp32_values(B, Hkv, G, L, D, masked, seed):
+    """Keys and values kept in fp16 (`--kv-cache fp16`): the same bits as their fp32 values, whole vectors
+    and the channels past them, masked or not."""
+    q, k, v, mask = inputs(B, G * Hkv, Hkv, L, D, seed)
+    k, v = k.half(), v.half()
+    mask = mask if masked else None
+    assert torch.equal(kernels.attend_one(q, k, v, mask, 0.3), kernels.attend_one(q, k.float(), v.float(), mask, 0.3))
+
+
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
-def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, seed):
-    """A paged pool (slots, Hkv, D), each row's blocks anywhere in it: the same bits as the row's keys
-    laid out contiguously, each row over its own length only."""
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), half=st.booleans(),
+       seed=st.integers(0, 99))
+def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, half, seed):
+    """A paged pool (slots, Hkv, D), fp32 or fp16, each row's blocks anywhere in it: the same bits as the
+    row's keys laid out contiguously, each row over its own length only."""
     B, Hkv, D, L = len(lengths), 2, 32, max(lengths)
     W = -(-L // bs)
     blocks = list(range(1, 1 + B * W))
     random.Random(seed).shuffle(blocks)
     table = torch.tensor(blocks).view(B, W)
     q, k, v, _ = inputs(B, 4, Hkv, W * bs, D, seed)
-    pool_k, pool_v = torch.randn((1 + B * W) * bs, Hkv, D), torch.randn((1 + B * W) * bs, Hkv, D)
+    dtype = torch.float16 if half else torch.float32
+    k, v = k.to(dtype), v.to(dtype)
+    pool_k, pool_v = torch.randn((1 + B * W) * bs, Hkv, D).to(dtype), torch.randn((1 + B * W) * bs, Hkv, D).to(dtype)
     slots = (table[..., None] * bs + torch.arange(bs)).view(B, W * bs)  # (B, L): slot of key l
     for b in range(B):
         pool_k[slots[b]], pool_v[slots[b]] = k[b].transpose(0, 1), v[b].transpose(0, 1)
@@ -115,23 +130,25 @@ def test_keys_read_through_block_tables_equal_the_contiguous_ones(lengths, bs, s
 
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 4), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.sampled_from([8, 24, 64, 128]), partial=st.booleans(),
-       per_row=st.booleans(), at=st.integers(0, 40), seed=st.integers(0, 99))
-def test_rope_the_write_and_attention_in_one_call_are_the_three_steps(B, Hkv, G, D, partial, per_row, at, seed):
+       per_row=st.booleans(), at=st.integers(0, 40), half=st.booleans(), seed=st.integers(0, 99))
+def test_rope_the_write_and_attention_in_one_call_are_the_three_steps(B, Hkv, G, D, partial, per_row, at, half, seed):
     """rope_attend_one, bit for bit: apply_rope_ on the query and key heads (all channels or the first
-    half: partial rotary; one row of angles for all or one per row), the cache's `update` at slot `at`,
-    and attend_one over the slots up to a multiple of 16; slots before `at` and after it are untouched."""
+    half: partial rotary; one row of angles for all or one per row), the cache's `update` at slot `at`
+    (an fp16 cache: k and v rounded as `Tensor.half` rounds), and attend_one over the slots up to a
+    multiple of 16; slots before `at` and after it are untouched."""
     g = torch.Generator().manual_seed(seed)
     H, rot, S = G * Hkv, D // 2 if partial else D, aligned(at + 1) + 16
     qkv = torch.randn(B, H + 2 * Hkv, D, generator=g)
     angles = torch.rand(B if per_row else 1, 1, 1, rot // 2, generator=g) * 6
     cos, sin = angles.cos().repeat(1, 1, 1, 2), torch.cat((-angles.sin(), angles.sin()), -1)
-    k_cache, v_cache = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    dtype = torch.float16 if half else torch.float32
+    k_cache, v_cache = torch.randn(B, Hkv, S, D, generator=g).to(dtype), torch.randn(B, Hkv, S, D, generator=g).to(dtype)
     mask = torch.zeros(B, 1, 1, aligned(at + 1)).masked_fill_(torch.arange(aligned(at + 1)) > at, MIN)
 
     expected_qkv, k_expected, v_expected = qkv.clone(), k_cache.clone(), v_cache.clone()
     apply_rope_(expected_qkv.narrow(1, 0, H + Hkv)[:, None], cos, sin)  # (B, 1, H + Hkv, D), as the layer calls it
     q, k, v = expected_qkv[:, :, None].split((H, Hkv, Hkv), 1)  # (B, heads, 1, D)
-    k_expected[:, :, at : at + 1], v_expected[:, :, at : at + 1] = k, v
+    k_expected[:, :, at : at + 1], v_expected[:, :, at : at + 1] = k.to(dtype), v.to(dtype)
     L = aligned(at + 1)
     expected = kernels.attend_one(q, k_expected[:, :, :L], v_expected[:, :, :L], mask, 0.3)  # (B, H, 1, D)
 
@@ -141,11 +158,12 @@ def test_rope_the_write_and_attention_in_one_call_are_the_three_steps(B, Hkv, G,
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
-def test_rope_the_write_and_attention_in_one_call_through_block_tables(lengths, bs, seed):
-    """In a paged pool, bit for bit: row b's rotated key and value land in the slot of its position
-    lengths[b] - 1 through its table, nothing else in the pool changes, and each row attends over its
-    own length as attend_one does after apply_rope_."""
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), half=st.booleans(),
+       seed=st.integers(0, 99))
+def test_rope_the_write_and_attention_in_one_call_through_block_tables(lengths, bs, half, seed):
+    """In a paged pool (fp32 or fp16), bit for bit: row b's rotated key and value land in the slot of its
+    position lengths[b] - 1 through its table, nothing else in the pool changes, and each row attends over
+    its own length as attend_one does after apply_rope_."""
     B, Hkv, G, D = len(lengths), 2, 2, 32
     W = -(-max(lengths) // bs)
     blocks = list(range(1, 1 + B * W))
@@ -155,14 +173,15 @@ def test_rope_the_write_and_attention_in_one_call_through_block_tables(lengths, 
     qkv = torch.randn(B, G * Hkv + 2 * Hkv, D, generator=g)
     angles = torch.rand(B, 1, 1, D // 2, generator=g) * 6
     cos, sin = angles.cos().repeat(1, 1, 1, 2), torch.cat((-angles.sin(), angles.sin()), -1)
-    pool_k, pool_v = torch.randn((1 + B * W) * bs, Hkv, D, generator=g), torch.randn((1 + B * W) * bs, Hkv, D, generator=g)
+    dtype = torch.float16 if half else torch.float32
+    pool_k, pool_v = (torch.randn((1 + B * W) * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
 
     expected_qkv, k_expected, v_expected = qkv.clone(), pool_k.clone(), pool_v.clone()
     apply_rope_(expected_qkv.narrow(1, 0, (G + 1) * Hkv)[:, None], cos, sin)
     q, k, v = expected_qkv[:, :, None].split((G * Hkv, Hkv, Hkv), 1)  # (B, heads, 1, D)
     for b, n in enumerate(lengths):
         slot = table[b, (n - 1) // bs] * bs + (n - 1) % bs
-        k_expected[slot], v_expected[slot] = k[b, :, 0], v[b, :, 0]
+        k_expected[slot], v_expected[slot] = k[b, :, 0].to(dtype), v[b, :, 0].to(dtype)
     expected = kernels.attend_one(q, k_expected, v_expected, None, 0.2, blocks=(table, bs, lengths))
 
     y = kernels.rope_attend_one(qkv, cos, sin, pool_k, pool_v, [n - 1 for n in lengths], None, 0.2, blocks=(table, bs, lengths))
@@ -196,12 +215,15 @@ def test_decode_steps_run_on_the_kernel_and_match_sdpa(monkeypatch):
     torch.testing.assert_close(on, decode(False), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_fused_models_decode_steps_are_one_call_a_layer_and_the_same_bits(monkeypatch, padded):
+def test_a_fused_models_decode_steps_are_one_call_a_layer_and_the_same_bits(monkeypatch, padded, kv):
     """A loaded (fused) model's steps over a KVCache rotate, store and attend in one call a layer
-    (`KVCache.rope_attend_one`); without it (RoPE in torch, `update`, attend_one) the logits and the
-    cache are bit for bit the same, left-padded rows (their own positions) included."""
+    (`KVCache.rope_attend_one`); without it (RoPE in torch, the rounding to the model's kv_dtype, `write`,
+    attend_one) the logits and the cache are bit for bit the same, left-padded rows (their own positions)
+    and keys kept in fp16 included."""
     model = fuse_projections(tiny_model(n_kv_heads=2, head_dim=16, partial_rotary_factor=0.5))
+    store_keys_in(model, kv)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones(2, 9, dtype=torch.long)
     if padded:
@@ -211,14 +233,14 @@ def test_a_fused_models_decode_steps_are_one_call_a_layer_and_the_same_bits(monk
     monkeypatch.setattr(kernels, "rope_attend_one", lambda *a: calls.append(1) or real(*a))
 
     def decode() -> tuple[torch.Tensor, KVCache]:
-        cache = KVCache(model.config, 2, 16)
+        cache = KVCache(model.config, 2, 16, dtype=cache_dtype(model))
         with torch.inference_mode():
             model(ids[:, :6], cache=cache, attention_mask=attention_mask[:, :6])
             out = torch.cat([model(ids[:, j : j + 1], cache=cache, attention_mask=attention_mask[:, : j + 1]).logits for j in range(6, 9)], 1)
         return out, cache
 
     fused, cache = decode()
-    assert len(calls) == 3 * model.config.n_layers
+    assert len(calls) == 3 * model.config.n_layers and cache.k[0].dtype == kv
     monkeypatch.delattr(KVCache, "rope_attend_one")
     apart, apart_cache = decode()
     assert len(calls) == 3 * model.config.n_layers

@@ -21,6 +21,7 @@ from decoderlm import quantize as q
 from decoderlm.errors import DecoderLMError
 from decoderlm.formats.gguf import unpack_blocks
 from decoderlm.generate import generate
+from decoderlm.kv_cache import cache_dtype, store_keys_in
 from decoderlm.loader import load
 from decoderlm.names import DEFAULT_MODEL, locate
 from decoderlm.sampling import SamplingParams
@@ -124,11 +125,13 @@ def smollm2():
 @pytest.mark.parametrize("prompts", ["fp32", "int16"])
 def test_smollm2_default_mode_runs_on_the_blocks_and_answers_as_fp32(smollm2, prompts, monkeypatch):
     """The default (`auto`) mode on the embedded Q4_1 file computes with the file's own weights, decode steps
-    with 16-bit activations, and gives the float path's greedy tokens on varied prompts, with either
-    arithmetic for prompts (`auto` picks int16 on AVX512-VNNI): fp32, logits within 1e-3 of the float path
-    at every position; int16, within 0.05 (x rounded to 1/65024 of its block's largest value before each
-    of 121 matmuls; llama.cpp's int8 moves them by 1.7 on these prompts)."""
+    with 16-bit activations, keys and values in fp16, and gives the float path's greedy tokens on varied
+    prompts, with either arithmetic for prompts (`auto` picks int16 on AVX512-VNNI). With fp32 keys, its
+    logits are within 1e-3 of the float path's at every position for fp32 prompts; within 0.05 for int16 ones
+    (x rounded to 1/65024 of its block's largest value before each of 121 matmuls; llama.cpp's int8 moves them
+    by 1.7 on these prompts). Keys rounded to fp16 move them by less than 0.1 more."""
     float_model, quant, tok = smollm2
+    assert cache_dtype(quant) == torch.float16 and cache_dtype(float_model) == torch.float32
     assert isinstance(quant.lm_head, q.BlockLinear) and quant.lm_head.exact and quant.lm_head.activations == "int16"
     assert quant.lm_head.prompt_activations == ("int16" if kernels.integer_prompts() else "fp32")
     for layer in (m for m in quant.modules() if isinstance(m, q.BlockLinear)):
@@ -138,7 +141,11 @@ def test_smollm2_default_mode_runs_on_the_blocks_and_answers_as_fp32(smollm2, pr
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
         with torch.no_grad(), q.reading_prompt():  # as `generate` reads a prompt
             a, b = float_model(torch.tensor([ids])).logits, quant(torch.tensor([ids])).logits
-        assert b.dtype == torch.float32 and (a - b).abs().max() < (1e-3 if prompts == "fp32" else 0.05), text
+            store_keys_in(quant, None)
+            c = quant(torch.tensor([ids])).logits
+            store_keys_in(quant, torch.float16)
+        assert b.dtype == torch.float32 and (a - c).abs().max() < (1e-3 if prompts == "fp32" else 0.05), text
+        assert (a - b).abs().max() < (a - c).abs().max() + 0.1, text
         params = SamplingParams(temperature=0, max_new_tokens=16)
         assert generate(quant, ids, params) == generate(float_model, ids, params), text
 

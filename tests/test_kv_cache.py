@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import generate
-from decoderlm.kv_cache import KVCache, RollingKVCache, cache_for
+from decoderlm.kv_cache import KVCache, RollingKVCache, cache_dtype, cache_for, store_keys_in
 from decoderlm.sampling import SamplingParams
 
 T = 12  # longer than every sliding window drawn by `configs`
@@ -19,13 +19,15 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-@given(configs(), st.integers(1, T - 1), st.integers(1, 4), st.integers(0, 2**16))
+@given(configs(), st.integers(1, T - 1), st.integers(1, 4), st.booleans(), st.integers(0, 2**16))
 @settings(max_examples=30)
-def test_cached_decoding_equals_full_recomputation(cfg, prefill_len, chunk, seed):
-    """Prefill a prefix, then feed the rest `chunk` tokens at a time (1 = token by token)."""
+def test_cached_decoding_equals_full_recomputation(cfg, prefill_len, chunk, half, seed):
+    """Prefill a prefix, then feed the rest `chunk` tokens at a time (1 = token by token); keys kept in
+    fp32 or in fp16 (`store_keys_in`: the full forward rounds them too)."""
     model = tiny_model(seed, **cfg)
+    store_keys_in(model, torch.float16 if half else None)
     ids = torch.randint(0, 37, (2, T), generator=torch.Generator().manual_seed(seed))
-    cache = KVCache(model.config, 2, T)
+    cache = KVCache(model.config, 2, T, dtype=cache_dtype(model))
     with torch.no_grad():
         full = model(ids).logits  # (B, T, V)
         parts = [model(ids[:, :prefill_len], cache=cache).logits]
@@ -59,6 +61,23 @@ def test_left_padded_batch_equals_each_row_alone(cfg, seed):
             assert_close(prefill[b, width - n :], alone[:n])
             for s in range(steps):
                 assert_close(decoded[s][b, 0], alone[n + s])
+
+
+def test_fp16_keys_are_rounded_in_every_path():
+    """Keys kept in fp16: the cache stores fp16, and the plain forward rounds k and v as the cache does, so
+    its logits move from the fp32 keys' (ten times more than cached decoding differs from them) while
+    cached decoding through the contiguous, rolling and hybrid caches still gives them."""
+    ids = torch.randint(0, 37, (1, T), generator=torch.Generator().manual_seed(0))
+    for cfg in ({}, {"sliding_window": 4}, {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}):
+        model = tiny_model(0, **cfg)
+        with torch.no_grad():
+            exact = model(ids).logits
+            store_keys_in(model, torch.float16)
+            full = model(ids).logits
+            cache = cache_for(model.config, 1, T, dtype=cache_dtype(model))
+            steps = torch.cat([model(ids[:, :5], cache=cache).logits] + [model(ids[:, t : t + 1], cache=cache).logits for t in range(5, T)], 1)
+        assert cache_dtype(model) == torch.float16 and (full - exact).abs().max() > 10 * (steps - full).abs().max(), cfg
+        assert_close(steps, full)
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])

@@ -15,8 +15,12 @@ from test_gguf import hf_model, tokenizer_meta, write_model
 from torch import nn
 
 from decoderlm import isa, kernels
+from decoderlm.cli import build_parser
+from decoderlm.cli.common import load_model
+from decoderlm.errors import DecoderLMError
 from decoderlm.formats.gguf import native_mode
 from decoderlm.generate import generate
+from decoderlm.kv_cache import cache_dtype
 from decoderlm.loader import load
 from decoderlm.quantize import BlockLinear, Int4Linear, Int8GroupLinear, kernels_vectorized
 from decoderlm.sampling import SamplingParams
@@ -124,3 +128,26 @@ def test_cli_default_is_auto_and_none_is_float(gguf_files, capsys):
     float_model, tok = load(path)
     params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=tok.eos_token_ids)
     assert outs["--quantize none"] == "abc" + tok.decode(generate(float_model, tok.encode("abc"), params)) + "\n"
+
+
+def test_kv_cache_auto_is_fp16_for_quantized_weights_only(gguf_files):
+    """`kv_cache="auto"` (--kv-cache's default): keys and values in fp16 where the weights are quantized (as
+    llama.cpp keeps its cache), in the model's dtype where they are float; fp16 and fp32 as asked; another
+    value is a one-line error."""
+    path = gguf_files / "Q4_1.gguf"
+    assert cache_dtype(load(path, quantize="auto")[0]) == (torch.float16 if PACKED else torch.float32)
+    assert cache_dtype(load(path, quantize="none")[0]) == torch.float32
+    assert cache_dtype(load(path, quantize="none", kv_cache="fp16")[0]) == torch.float16
+    assert cache_dtype(load(path, quantize="int4", kv_cache="fp32")[0]) == torch.float32
+    with pytest.raises(DecoderLMError, match="^kv_cache 'int8' is not supported; use one of auto, fp16, fp32$"):
+        load(path, kv_cache="int8")
+
+
+def test_cli_kv_cache_flag_reaches_the_model(gguf_files, capsys):
+    path = str(gguf_files / "Q4_1.gguf")
+    for flags, kv in (([], torch.float16 if PACKED else torch.float32), (["--kv-cache", "fp32"], torch.float32),
+                      (["--quantize", "none", "--kv-cache", "fp16"], torch.float16)):
+        model, _ = load_model(build_parser().parse_args(["generate", "--model", path, "--prompt", "abc", *flags]))
+        assert cache_dtype(model) == kv, flags
+    code, _, err = run_cli(["generate", "--model", path, "--prompt", "abc", "--kv-cache", "bf16"], capsys)
+    assert code == 2 and "--kv-cache: invalid choice: 'bf16'" in err

@@ -13,7 +13,7 @@ import torch
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.device import DEVICE_HELP
-from decoderlm.loader import DTYPES, load, resolve_device
+from decoderlm.loader import DTYPES, KV_CACHE, load, resolve_device
 from decoderlm.model import Transformer
 from decoderlm.quantize import ACTIVATIONS, MODES
 from decoderlm.sampling import SamplingParams
@@ -114,6 +114,10 @@ def add_model_flags(p: argparse.ArgumentParser, compile: bool = False, quantize:
                    help="how quantized layers take their inputs in decode steps (prompts: fp32; auto's int16 on AVX512-VNNI): int16 (rounded to 16 bits "
                         "per 32, integer dot products: 1.2-2.2x fp32's speed for one row, answers as fp32's), int8 (llama.cpp's "
                         f"arithmetic: a little faster, a few answers differ) or fp32 (default: {ACTIVATIONS_HELP[activations]})")
+    p.add_argument("--kv-cache", default="auto", choices=list(KV_CACHE),
+                   help="the precision keys and values are kept in: fp16 (half the cache's memory and bytes to read a step; "
+                        "every path rounds k and v so, no cache included) or fp32 (default: auto: fp16 with quantized weights, "
+                        "as llama.cpp's cache, else the model's dtype)")
     if compile:
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="decode through a compiled step, built now if missing (once per model, mode and machine: "
@@ -133,20 +137,21 @@ def apply_run_flags(args: argparse.Namespace) -> torch.device:
 
 
 def load_model(args: argparse.Namespace, text: bool = True) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer named by --model, with --dtype, --quantize, --activations, --threads and --device applied.
+    """The model and tokenizer named by --model, with --dtype, --quantize, --activations, --kv-cache, --threads and --device applied.
     Sampling flags, where the command has them, are checked first: a bad value fails before the load.
     text=False: an HF folder without tokenizer files loads too (see `load`)."""
     source = model_source(args)
     if hasattr(args, "temperature"):
         sampling_params(args)
     device = apply_run_flags(args)
-    return load(source, dtype=args.dtype, quantize=args.quantize, device=device, text=text, activations=args.activations)
+    return load(source, dtype=args.dtype, quantize=args.quantize, device=device, text=text, activations=args.activations,
+                kv_cache=args.kv_cache)
 
 
 def compile_flags(args: argparse.Namespace) -> list[str]:
     """The flags that make `decoderlm compile` load the model that `load_model(args)` loaded."""
     return ["--model", model_source(args), "--dtype", args.dtype, "--quantize", args.quantize, "--activations", args.activations,
-            "--device", args.device]
+            "--kv-cache", args.kv_cache, "--device", args.device]
 
 
 def check_out_file(path: str | Path, what: str = "--out") -> Path:

@@ -136,6 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if layers:
             decode, prompts = (" and ".join(sorted({getattr(m, name) for m in layers})) for name in ("activations", "prompt_activations"))
             print(f"decode steps in {decode} arithmetic, prompts in {prompts} (--activations)", file=sys.stderr, flush=True)
+        pool = engine.pool
+        print(f"KV cache: {pool.capacity // len(pool.groups) * pool.block_size:,} tokens, keys and values in {str(pool.dtype)[6:]} "
+              "(--kv-cache-memory, --kv-cache)", file=sys.stderr, flush=True)
         host, port = sock.getsockname()[:2]
         print(f"serving {model_source(args)} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
         engine.start()

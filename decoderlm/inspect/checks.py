@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from decoderlm.config import ModelConfig
-from decoderlm.kv_cache import cache_for
+from decoderlm.kv_cache import cache_dtype, cache_for
 from decoderlm.model import Transformer
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
@@ -74,7 +74,7 @@ def check_kv_cache(model: Transformer, n_tokens: int = 24, seed: int = 0, tol: f
     full = model(ids).logits.float()  # (1, T, V)
     if tol is None:  # rounding differs between the two paths: allow a small fraction of the logits' scale
         tol = max(10.0, float(full.abs().max())) * _tolerance(model, 1e-5, 5e-3)
-    cache = cache_for(model.config, 1, T, dtype=param.dtype, device=param.device)
+    cache = cache_for(model.config, 1, T, dtype=cache_dtype(model), device=param.device)
     try:
         steps = [model(ids[:, : T // 2], cache=cache).logits]
         steps += [model(ids[:, t : t + 1], cache=cache).logits for t in range(T // 2, T)]

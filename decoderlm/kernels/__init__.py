@@ -118,13 +118,13 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{kind}_dequantize_{name}")
             fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p], None
         fn = getattr(lib, f"attend_one_{name}")
-        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p,
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_int64, ctypes.c_void_p,
                        *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
         fn = getattr(lib, f"rope_attend_one_{name}")
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p,
-                       *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
-                       ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
+                       *([ctypes.c_void_p, *[ctypes.c_int64] * 3] * 2), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 2,
+                       ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_void_p]
         fn.restype = None
         fn = getattr(lib, f"rms_norm_{name}")
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p], None
@@ -178,6 +178,7 @@ def function(name: str) -> ctypes._CFuncPtr:
     return getattr(library(), f"{name}_{level()}")
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)  # what attention.c reads keys and values as
 ROUNDED = {"int16": "x16", "int8": "x8"}  # activations qdot.c rounds x to -> its entry points' infix
 
 
@@ -232,13 +233,14 @@ def top_k(y: torch.Tensor, k: int) -> torch.Tensor:
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                blocks: tuple[torch.Tensor, int, list[int]] | None = None) -> torch.Tensor:
     """Attention of one query per row (attention.c), fp32: q (B, H, 1, D) over keys k (B, Hkv, L, D) and
-    values v (B, Hkv, L, Dv) → (B, H, 1, Dv); mask: additive (B or 1, 1, 1, L) or None. Every row's sums
-    run in one fixed order, so a row's result depends on nothing else in the batch.
+    values v (B, Hkv, L, Dv) → (B, H, 1, Dv); mask: additive (B or 1, 1, 1, L) or None. k and v are fp32 or
+    both fp16 (an fp16 cache, read as fp32). Every row's sums run in one fixed order, so a row's result
+    depends on nothing else in the batch.
     blocks=(table (B, W), block_size, lengths): k and v are a paged pool's slots (S, Hkv, D), row b's
     key l in slot table[b, l // block_size] · block_size + l % block_size, for l < lengths[b]."""
     B, H, _, D = q.shape
-    if not q.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
-        raise TypeError("attend_one computes in fp32: q, k, v and the mask must be float32")
+    if q.dtype != torch.float32 or (mask is not None and mask.dtype != torch.float32) or not k.dtype == v.dtype in CACHE_DTYPES:
+        raise TypeError("attend_one computes in fp32: q and the mask must be float32, k and v both float32 or both float16")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     Hkv, Dv = k.shape[1], v.shape[-1]
     y = torch.empty(B, H, 1, Dv, dtype=torch.float32)
@@ -251,13 +253,14 @@ def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: 
                     mask: torch.Tensor | None, scale: float, blocks: tuple[torch.Tensor, int, list[int]] | None = None) -> torch.Tensor:
     """A decode step's attention from a fused projection in one call (attention.c), fp32: rotates, in place,
     the query and key heads of qkv (B, H + 2·Hkv, D) by cos, sin (B or 1, 1, 1, rot) as `apply_rope_` does,
-    writes row b's key and value heads as its key positions[b], and attends as `attend_one` → (B, H, D).
+    writes row b's key and value heads as its key positions[b] (rounded to nearest even into an fp16 cache, as
+    `Tensor.half` rounds), and attends as `attend_one` → (B, H, D).
     k, v and blocks as `attend_one` takes them: a contiguous cache's buffers (B, Hkv, S, D), every row over
     mask.shape[-1] keys, or a paged pool's slots with blocks=(table, block_size, lengths)."""
     B, heads, D = qkv.shape
     Hkv = k.shape[1]
-    if not qkv.dtype == cos.dtype == sin.dtype == k.dtype == v.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32):
-        raise TypeError("rope_attend_one computes in fp32: qkv, cos, sin, the cache and the mask must be float32")
+    if not qkv.dtype == cos.dtype == sin.dtype == torch.float32 or (mask is not None and mask.dtype != torch.float32) or not k.dtype == v.dtype in CACHE_DTYPES:
+        raise TypeError("rope_attend_one computes in fp32: qkv, cos, sin and the mask must be float32, the cache float32 or float16")
     if not (qkv.stride(2) == 1 and qkv.stride(1) == D and k.stride(-1) == v.stride(-1) == 1 and v.shape[-1] == D):
         raise ValueError("rope_attend_one: qkv (B, heads, D) with contiguous heads, and a cache of the heads' width, its rows contiguous")
     cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # (B or 1, rot): one row of angles per sequence
@@ -272,7 +275,8 @@ def rope_attend_one(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: 
 
 def _keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, blocks: tuple[torch.Tensor, int, list[int]] | None,
           lengths: list[int]) -> tuple:
-    """attention.c's arguments for the keys and values: k, its row, key and head strides; v's; the block table,
+    """attention.c's arguments for the keys and values: k, its row, key and head strides; v's; 1 for an fp16
+    cache (0: fp32); the block table,
     its width and block size (None, 0, 0 for a contiguous cache); each row's key count; the mask and its row
     stride. A contiguous cache's rows attend over `lengths`, a paged pool's over blocks' lengths."""
     if blocks is None:
@@ -285,7 +289,7 @@ def _keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, blocks: t
     if mask is not None:
         mask = mask.reshape(mask.shape[0], mask.shape[-1])
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-    return (k.data_ptr(), *ks, v.data_ptr(), *vs, None if table is None else table.data_ptr(), W, bs,
+    return (k.data_ptr(), *ks, v.data_ptr(), *vs, int(k.dtype == torch.float16), None if table is None else table.data_ptr(), W, bs,
             (ctypes.c_int64 * len(lengths))(*lengths), None if mask is None else mask.data_ptr(),
             0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
 

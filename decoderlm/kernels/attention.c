@@ -4,29 +4,59 @@
  *     s_l = scale · (q · k_l) + mask_l       for the row's keys l < lens[b]
  *     y   = Σ_l exp(s_l − max s) · v_l  /  Σ_l exp(s_l − max s)
  * in fp32, every sum in a fixed order (keys one after another, a dot product's lanes pairwise), by one
- * thread per (row, K/V head), for the query heads of its group: a row's result depends on nothing else in the batch, on no thread count, and
- * not on how many masked keys follow its own (their weights are exactly 0, and x + 0 is x). So a
- * sequence gets the same bits from a contiguous cache, a paged one, alone or in any batch.
+ * thread per (row, K/V head) item, for the query heads of its group (each thread takes a run of items of
+ * about equal work, counted in keys, so a batch's long rows do not all fall to one thread): a row's result
+ * depends on nothing else in the batch, on no thread count, and not on how many masked keys follow its own
+ * (their weights are exactly 0, and x + 0 is x). So a sequence gets the same bits from a contiguous cache,
+ * a paged one, alone or in any batch.
  *
- * Keys and values are found by strides: row b's key l is at k + b·kb + l·ks + g·kh, or, with a block
- * table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh.
+ * Keys and values are found by strides (in elements): row b's key l is at k + b·kb + l·ks + g·kh, or, with a
+ * block table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh. The
+ * cache holds fp32 or, with half = 1, fp16 (the default mode's: half the bytes to read), widened to fp32 as
+ * they are loaded; every sum is fp32 either way.
  *
  * rope_attend_one does a decode step's attention from the fused q/k/v projection: RoPE on q and k, the
- * write of k and v, and attend_one, each as the separate steps compute it.
+ * write of k and v (rounded to nearest even into an fp16 cache, as torch's .half() rounds), and attend_one,
+ * each as the separate steps compute it.
  *
  * Compiled once per instruction set with VL = floats per vector and NAME = its entry point's suffix.
  */
+#include <omp.h>
 #include <stdlib.h>
+#if VL > 4
+#include <immintrin.h>
+#endif
 
 #include "stream.h"
 #include "vec.h"
 
-static inline float dot(const float *a, const float *b, int64_t D) {
+/* A cache's element: VL of them widened to a vector, one to a float (fp16: F16C's vcvtph2ps, in software
+ * at the plain level), and a float stored into it. */
+static inline __attribute__((always_inline)) vf loadkv(const void *p, int half) {
+    if (!half) return loadf(p);
+#if VL == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p));
+#elif VL == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p));
+#else
+    const _Float16 *h = p;
+    return (vf){h[0], h[1], h[2], h[3]};
+#endif
+}
+static inline __attribute__((always_inline)) float getkv(const void *p, int64_t i, int half) {
+    return half ? (float)((const _Float16 *)p)[i] : ((const float *)p)[i];
+}
+static inline void putkv(void *p, const float *x, int64_t n, int half) {
+    if (!half) memcpy(p, x, n * sizeof(float));
+    else for (int64_t i = 0; i < n; i++) ((_Float16 *)p)[i] = (_Float16)x[i];
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int half) {
     vf acc = {0};
-    int64_t i = 0;
-    for (; i + VL <= D; i += VL) acc += loadf(a + i) * loadf(b + i);
+    int64_t i = 0, es = half ? 2 : 4;
+    for (; i + VL <= D; i += VL) acc += loadf(a + i) * loadkv((const char *)b + i * es, half);
     float s = hsum(acc);
-    for (; i < D; i++) s += a[i] * b[i];
+    for (; i < D; i++) s += a[i] * getkv(b, i, half);
     return s;
 }
 
@@ -49,9 +79,10 @@ static inline vf exp_neg(vf x) {
     return (vf)((vi)(p * two_n) & keep);
 }
 
-static inline const float *at(const float *base, const int64_t *table, int64_t W, int64_t bs, int64_t b,
-                               int64_t l, int64_t rb, int64_t rs) {
-    return table ? base + table[b * W + l / bs] * rb + (l % bs) * rs : base + b * rb + l * rs;
+/* Row b's key (or value) l: its address, es bytes an element. */
+static inline const char *at(const void *base, int64_t es, const int64_t *table, int64_t W, int64_t bs, int64_t b,
+                              int64_t l, int64_t rb, int64_t rs) {
+    return (const char *)base + (table ? table[b * W + l / bs] * rb + (l % bs) * rs : b * rb + l * rs) * es;
 }
 
 /* hsum's pairing as shuffles of whole vectors: COMBINE(x, y, w) takes two vectors of groups of w lanes
@@ -91,40 +122,39 @@ static inline vf hsums(vf *a) {
  * blocks lie anywhere in the pool. */
 #define CW (VL == 16 ? 16 : 8)  /* vectors of sums in registers */
 #define LB 32  /* keys a block */
-static inline __attribute__((always_inline)) void attend(const float *q, int64_t qh, int64_t G, const float *k, int64_t kb,
-                                                          int64_t ks, const float *v, int64_t vb, int64_t vs,
+static inline __attribute__((always_inline)) void attend(const float *q, int64_t qh, int64_t G, const void *k, int64_t kb,
+                                                          int64_t ks, const void *v, int64_t vb, int64_t vs, int half,
                                                           const int64_t *table, int64_t W, int64_t bs, int64_t b, int64_t L,
                                                           const float *mask, int64_t D, int64_t Dv, float scale, float *s,
                                                           int64_t padded, float *acc, float *out) {
-    const int64_t whole = D / VL;
-    const float **kp = (const float **)(s + G * padded), **vp = kp + L;  /* each key's and value's address */
+    const int64_t whole = D / VL, es = half ? 2 : 4;
+    const char **kp = (const char **)(s + G * padded), **vp = kp + L;  /* each key's and value's address */
     const int64_t run = table ? bs : L;  /* keys at one stride from the first */
     for (int64_t l0 = 0; l0 < L; l0 += run) {
-        const float *k0 = at(k, table, W, bs, b, l0, kb, ks), *v0 = at(v, table, W, bs, b, l0, vb, vs);
-        for (int64_t o = 0; o < run && l0 + o < L; o++) kp[l0 + o] = k0 + o * ks, vp[l0 + o] = v0 + o * vs;
+        const char *k0 = at(k, es, table, W, bs, b, l0, kb, ks), *v0 = at(v, es, table, W, bs, b, l0, vb, vs);
+        for (int64_t o = 0; o < run && l0 + o < L; o++) kp[l0 + o] = k0 + o * ks * es, vp[l0 + o] = v0 + o * vs * es;
     }
     int64_t l = 0;
     for (; l + VL <= L; l += VL) {
-        const float *const *kl = kp + l;
-        for (int64_t j = l + VL; j < l + 2 * VL && j < L; j++) prefetch(kp[j], D * sizeof(float));  /* the next keys */
+        const char *const *kl = kp + l;
+        for (int64_t j = l + VL; j < l + 2 * VL && j < L; j++) prefetch(kp[j], D * es);  /* the next keys */
         const vf m = mask ? loadf(mask + l) : (vf){0};
         for (int64_t h = 0; h < G; h++) {
             const float *qg = q + h * qh;
             vf a[VL];
             for (int j = 0; j < VL; j++) {
                 a[j] = (vf){0};
-                for (int64_t c = 0; c < whole; c++) a[j] += loadf(qg + c * VL) * loadf(kl[j] + c * VL);
+                for (int64_t c = 0; c < whole; c++) a[j] += loadf(qg + c * VL) * loadkv(kl[j] + c * VL * es, half);
             }
             vf dots = hsums(a);
             for (int64_t i = whole * VL; i < D; i++)
-                for (int j = 0; j < VL; j++) dots[j] += qg[i] * kl[j][i];
+                for (int j = 0; j < VL; j++) dots[j] += qg[i] * getkv(kl[j], i, half);
             storef(s + h * padded + l, scale * dots + m);
         }
     }
     for (; l < L; l++) {
-        const float *kl = kp[l];
         const float m = mask ? mask[l] : 0.0f;
-        for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kl, D) + m;
+        for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kp[l], D, half) + m;
     }
     float total[G];
     for (int64_t h = 0; h < G; h++) {
@@ -140,7 +170,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
     memset(acc, 0, G * Dv * sizeof(float));
     for (int64_t l0 = 0; l0 < L; l0 += LB) {
         const int64_t l1 = l0 + LB < L ? l0 + LB : L;
-        for (int64_t l = l1; l < l1 + LB && l < L; l++) prefetch(vp[l], Dv * sizeof(float));  /* the next block */
+        for (int64_t l = l1; l < l1 + LB && l < L; l++) prefetch(vp[l], Dv * es);  /* the next block */
         for (int64_t h = 0; h < G; h++) {
             const float *sh = s + h * padded;
             float *ah = acc + h * Dv;
@@ -149,9 +179,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
                 vf sum[CW];
                 for (int c = 0; c < n; c++) sum[c] = loadf(ah + (c0 + c) * VL);
                 for (int64_t l = l0; l < l1; l++) {
-                    const float *vl = vp[l] + c0 * VL;
+                    const char *vl = vp[l] + c0 * VL * es;
                     const float p = sh[l];
-                    for (int c = 0; c < n; c++) sum[c] = sum[c] + p * loadf(vl + c * VL);
+                    for (int c = 0; c < n; c++) sum[c] = sum[c] + p * loadkv(vl + c * VL * es, half);
                 }
                 for (int c = 0; c < n; c++) storef(ah + (c0 + c) * VL, sum[c]);
             }
@@ -162,31 +192,40 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
         float *ah = acc + h * Dv;
         for (int64_t j = Dv / VL * VL; j < Dv; j++) {  /* channels past the last whole vector */
             float sum = 0;
-            for (int64_t l = 0; l < L; l++) sum = sum + sh[l] * vp[l][j];
+            for (int64_t l = 0; l < L; l++) sum = sum + sh[l] * getkv(vp[l], j, half);
             ah[j] = sum;
         }
         for (int64_t j = 0; j < Dv; j++) out[h * Dv + j] = ah[j] / total[h];
     }
 }
 
-void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *k, int64_t kb, int64_t ks, int64_t kh,
-                           const float *v, int64_t vb, int64_t vs, int64_t vh, const int64_t *table, int64_t W, int64_t bs,
+#define ITEM 16  /* an item's work besides its keys, in keys: each thread takes a run of items of equal work */
+void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const void *k, int64_t kb, int64_t ks, int64_t kh,
+                           const void *v, int64_t vb, int64_t vs, int64_t vh, int64_t half, const int64_t *table, int64_t W, int64_t bs,
                            const int64_t *lens, const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t Dv, float scale, float *y) {
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     const int64_t G = H / Hkv, padded = (longest + VL - 1) / VL * VL;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += Hkv * (lens[b] + ITEM);
     _Pragma("omp parallel if (B * H * longest * D >= 65536)")
     {
         float *s = malloc(G * padded * sizeof(float) + 2 * longest * sizeof(float *)), *acc = malloc(G * Dv * sizeof(float));  /* this thread's */
-        _Pragma("omp for schedule(static)")
-        for (int64_t bg = 0; bg < B * Hkv; bg++) {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t before = 0;  /* the work of the items before bg: their keys, and ITEM for each */
+        for (int64_t bg = 0; bg < B * Hkv; before += lens[bg / Hkv] + ITEM, bg++) {
+            if (before * threads < me * work || before * threads >= (me + 1) * work) continue;  /* another thread's share */
             const int64_t b = bg / Hkv, g = bg % Hkv;
-            const float *qg = q + b * qb + g * G * qh, *kg = k + g * kh, *vg = v + g * vh, *m = mask ? mask + b * mb : 0;
+            const int64_t es = half ? 2 : 4;
+            const float *qg = q + b * qb + g * G * qh, *m = mask ? mask + b * mb : 0;
+            const char *kg = (const char *)k + g * kh * es, *vg = (const char *)v + g * vh * es;
             float *out = y + bg * G * Dv;  /* heads g·G .. g·G + G − 1 of row b */
-            if (D == 64 && Dv == 64) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, 64, 64, scale, s, padded, acc, out);
-            else if (D == 128 && Dv == 128) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, 128, 128, scale, s, padded, acc, out);
-            else attend(qg, qh, G, kg, kb, ks, vg, vb, vs, table, W, bs, b, lens[b], m, D, Dv, scale, s, padded, acc, out);
+#define ATTEND(h, d, dv) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, h, table, W, bs, b, lens[b], m, d, dv, scale, s, padded, acc, out)
+            if (D == 64 && Dv == 64) half ? ATTEND(1, 64, 64) : ATTEND(0, 64, 64);
+            else if (D == 128 && Dv == 128) half ? ATTEND(1, 128, 128) : ATTEND(0, 128, 128);
+            else half ? ATTEND(1, D, Dv) : ATTEND(0, D, Dv);
+#undef ATTEND
         }
         free(s);
         free(acc);
@@ -200,10 +239,10 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const float *
  * or through the block table), and every row attends over its first lens[b] keys as attend_one does.
  * cos and sin: rot floats per row, cb and sb apart (0: one row for all). */
 void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, const float *sin, int64_t cb, int64_t sb, int64_t rot,
-                                const int64_t *pos, float *k, int64_t kb, int64_t ks, int64_t kh, float *v, int64_t vb, int64_t vs,
-                                int64_t vh, const int64_t *table, int64_t W, int64_t bs, const int64_t *lens,
+                                const int64_t *pos, void *k, int64_t kb, int64_t ks, int64_t kh, void *v, int64_t vb, int64_t vs,
+                                int64_t vh, int64_t half, const int64_t *table, int64_t W, int64_t bs, const int64_t *lens,
                                 const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, float *y) {
-    const int64_t half = rot / 2;
+    const int64_t mid = rot / 2;
     float old[rot];
     for (int64_t b = 0; b < B; b++) {
         float *row = qkv + b * qkvb;
@@ -212,15 +251,16 @@ void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, cons
             float *x = row + h * D;
             memcpy(old, x, rot * sizeof(float));
             for (int64_t j = 0; j < rot; j++) {
-                const float straight = old[j] * c[j], swapped = old[(j + half) % rot] * s[j];
+                const float straight = old[j] * c[j], swapped = old[(j + mid) % rot] * s[j];
                 x[j] = straight + swapped;
             }
         }
-        float *kd = (float *)at(k, table, W, bs, b, pos[b], kb, ks), *vd = (float *)at(v, table, W, bs, b, pos[b], vb, vs);
+        const int64_t es = half ? 2 : 4;
+        char *kd = (char *)at(k, es, table, W, bs, b, pos[b], kb, ks), *vd = (char *)at(v, es, table, W, bs, b, pos[b], vb, vs);
         for (int64_t g = 0; g < Hkv; g++) {
-            memcpy(kd + g * kh, row + (H + g) * D, D * sizeof(float));
-            memcpy(vd + g * vh, row + (H + Hkv + g) * D, D * sizeof(float));
+            putkv(kd + g * kh * es, row + (H + g) * D, D, half);
+            putkv(vd + g * vh * es, row + (H + Hkv + g) * D, D, half);
         }
     }
-    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, table, W, bs, lens, mask, mb, B, H, Hkv, D, D, scale, y);
+    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, half, table, W, bs, lens, mask, mb, B, H, Hkv, D, D, scale, y);
 }

@@ -26,8 +26,8 @@ typedef void (*dequantize_fn)(const void *q, const void *d, const void *m, int64
   void q8x16_matmul_##level(const float *, int64_t, int64_t, const void *, const void *, const void *, int64_t, float *); \
   void q4_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);  \
   void q8_dequantize_##level(const void *, const void *, const void *, int64_t, int64_t, float *);  \
-  void attend_one_##level(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *, int64_t, \
-                          int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,   \
+  void attend_one_##level(const float *, int64_t, int64_t, const void *, int64_t, int64_t, int64_t, const void *, int64_t, \
+                          int64_t, int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,   \
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);                          \
   void top_k_##level(const float *, int64_t, int64_t, int64_t, int64_t *);
 DECLARE(avx512)
@@ -46,8 +46,8 @@ const matmul_fn MATMUL_INT16X[3][2] = {{q4x16_matmul_avx512, q8x16_matmul_avx512
 const dequantize_fn DEQUANTIZE[3][2] = {{q4_dequantize_avx512, q8_dequantize_avx512},
                                         {q4_dequantize_avx2, q8_dequantize_avx2},
                                         {q4_dequantize_default, q8_dequantize_default}};
-typedef void (*attend_fn)(const float *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *, int64_t,
-                          int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,
+typedef void (*attend_fn)(const float *, int64_t, int64_t, const void *, int64_t, int64_t, int64_t, const void *, int64_t,
+                          int64_t, int64_t, int64_t, const int64_t *, int64_t, int64_t, const int64_t *, const float *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);
 const attend_fn ATTEND[3] = {attend_one_avx512, attend_one_avx2, attend_one_default};
 typedef void (*top_k_fn)(const float *, int64_t, int64_t, int64_t, int64_t *);
@@ -89,21 +89,21 @@ Tensor block_dequantize(Tensor q, Tensor d, std::optional<Tensor> m) {
 }
 
 // A decode step's attention over a paged pool (attention.c): q (B, H, 1, D) over row b's first lens[b] keys,
-// key l in slot table[b, l / block_size] · block_size + l % block_size of k, v (slots, Hkv, D) → (B, H, 1, Dv).
+// key l in slot table[b, l / block_size] · block_size + l % block_size of k, v (slots, Hkv, D), fp32 or fp16 → (B, H, 1, Dv).
 Tensor attend_paged(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, double scale, int64_t block_size) {
   STD_TORCH_CHECK(level >= 0, "decoderlm's kernels were loaded without a level (kernels.library() sets it)");
   STD_TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.stride(3) == 1 && q.scalar_type() == ScalarType::Float,
                   "attend_paged: q (B, H, 1, D) fp32, its last dimension contiguous");
-  STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && k.scalar_type() == ScalarType::Float &&
-                  v.scalar_type() == ScalarType::Float, "attend_paged: pools k, v (slots, Hkv, D) fp32, contiguous");
+  const bool half = k.scalar_type() == ScalarType::Half;
+  STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type() &&
+                  (half || k.scalar_type() == ScalarType::Float), "attend_paged: pools k, v (slots, Hkv, D) both fp32 or both fp16, contiguous");
   STD_TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == ScalarType::Long && lens.is_contiguous() &&
                   lens.scalar_type() == ScalarType::Long && table.size(0) == q.size(0) && lens.numel() == q.size(0),
                   "attend_paged: table (B, W) and lens (B,) int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), Dv = v.size(2);
   Tensor y = torch::stable::new_empty(q, {B, H, 1, Dv});
-  ATTEND[level](static_cast<const float *>(q.data_ptr()), q.stride(0), q.stride(1), static_cast<const float *>(k.data_ptr()),
-                k.stride(0) * block_size, k.stride(0), k.stride(1), static_cast<const float *>(v.data_ptr()), v.stride(0) * block_size,
-                v.stride(0), v.stride(1), static_cast<const int64_t *>(table.data_ptr()), table.size(1), block_size,
+  ATTEND[level](static_cast<const float *>(q.data_ptr()), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0) * block_size, k.stride(0),
+                k.stride(1), v.data_ptr(), v.stride(0) * block_size, v.stride(0), v.stride(1), half, static_cast<const int64_t *>(table.data_ptr()), table.size(1), block_size,
                 static_cast<const int64_t *>(lens.data_ptr()), nullptr, 0, B, H, Hkv, D, Dv, static_cast<float>(scale),
                 static_cast<float *>(y.data_ptr()));
   return y;

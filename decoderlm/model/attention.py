@@ -14,6 +14,11 @@ A decode step in inference on the CPU (one new query per row, fp32) runs on deco
 order, reading a paged cache's blocks in place. From a fused projection (`rope_attend_one` of KVCache and
 of the server's PagedCache) the same call also rotates q and k and writes k and v: an eager step spends
 more time in Python's calls around the kernels than in attention itself.
+
+`kv_dtype` (set by `decoderlm.kv_cache.store_keys_in`): the precision keys and values are kept in. With
+float16 (the default mode of a quantized model, as llama.cpp's cache) every path rounds k and v to it before
+attending, the plain forward too, so a cache that stores them in fp16 (half the bytes to read in every decode
+step) gives the same numbers as no cache at all.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from decoderlm.model.rope import apply_rope_
 
 
 class Attention(nn.Module):
+    kv_dtype: torch.dtype | None = None  # keys and values rounded to this before attention (None: the computing dtype)
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -82,7 +89,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        if T == 1 and rope is not None and self.qkv_proj is not None and self.q_norm is None and hasattr(cache, "rope_attend_one"):
+        if (T == 1 and rope is not None and self.qkv_proj is not None and self.q_norm is None and hasattr(cache, "rope_attend_one")
+                and cache.dtype == (self.kv_dtype or x.dtype)):  # the kernel rounds k and v as the cache stores them
             qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim)  # (B, 1, H + 2·Hkv, D): q, k and v heads
             if self.one_query_kernel(qkv, qkv, mask, cache):  # a decode step: RoPE, the cache write and attention in one call
                 y = cache.rope_attend_one(self.layer, qkv.view(B, -1, self.head_dim), rope, mask, self.scale or self.head_dim ** -0.5)
@@ -90,9 +98,11 @@ class Attention(nn.Module):
             q, k, v = self.rotated_heads(qkv, rope)
         else:
             q, k, v = self.project_qkv(x, rope)
+        if self.kv_dtype is not None and self.kv_dtype != k.dtype:
+            k, v = k.to(self.kv_dtype).to(k.dtype), v.to(self.kv_dtype).to(v.dtype)
         if T == 1 and self.one_query_kernel(q, k, mask, cache):  # a decode step on the CPU
             scale = self.scale or self.head_dim ** -0.5
-            if (paged := getattr(cache, "attend_one", None)) is not None:  # the pool's blocks, where they are
+            if (paged := getattr(cache, "attend_one", None)) is not None:  # the cache's buffers or blocks, where they are
                 y = paged(self.layer, q, k, v, mask, scale)
             else:
                 if cache is not None:
@@ -128,6 +138,9 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
             )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def extra_repr(self) -> str:
+        return f"kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else ""
 
     def one_query_kernel(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None = None) -> bool:
         """Whether this one-query step runs on decoderlm's attention kernel (`kernels.attend_one`): in fp32

@@ -59,8 +59,8 @@ class StepCache:
     def attend_one(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
         """Write the rows' new k, v (B, Hkv, 1, D) into their slots, then attend (B, H, 1, Dv) in the pool."""
         pool_k, pool_v = self.k[layer], self.v[layer]
-        pool_k.index_copy_(0, self.slots, k.reshape(k.shape[0], *pool_k.shape[1:]))
-        pool_v.index_copy_(0, self.slots, v.reshape(v.shape[0], *pool_v.shape[1:]))
+        pool_k.index_copy_(0, self.slots, k.reshape(k.shape[0], *pool_k.shape[1:]).to(pool_k.dtype))
+        pool_v.index_copy_(0, self.slots, v.reshape(v.shape[0], *pool_v.shape[1:]).to(pool_v.dtype))
         return torch.ops.decoderlm.attend_paged(q, pool_k, pool_v, self.tables, self.lens, scale, self.block_size)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import check_request
+from decoderlm.kv_cache import cache_dtype
 from decoderlm.model import Transformer
 from decoderlm.model.vision import ImageEmbeds, Images
 from decoderlm.quantize import DENSE_TOKENS, one_prompt_path, reading_prompt
@@ -140,7 +141,7 @@ class Engine:
             raise DecoderLMError("give kv_cache_memory or num_blocks, not both")
         cfg = model.config
         self.model, self.device = model, model.norm.weight.device  # the embedding may be quantized
-        dtype = model.norm.weight.dtype
+        dtype = cache_dtype(model)  # fp16 where the model keeps its keys so (`kv_cache.store_keys_in`)
         if num_blocks is None:
             per_token = BlockPool.bytes_per_token(cfg, dtype)
             memory = kv_cache_memory if kv_cache_memory is not None else min(DEFAULT_KV_MEMORY, max_batch * cfg.max_seq_len * per_token)

@@ -192,7 +192,7 @@ class PagedCache:
         new_slots = slots.gather(2, self.q_pos.expand(G, B, T))  # (G, B, T)
         self.write_slots = torch.where(is_new, new_slots, NULL_BLOCK * bs).view(G, -1)  # (G, B·T)
         self.k_pos = torch.arange(width * bs, device=device)[None]  # (1, L): slot j of a row holds position j
-        self.pool, self.shape = pool, (B, T, width * bs)
+        self.pool, self.shape, self.dtype = pool, (B, T, width * bs), pool.dtype
         self.lengths, self.totals, self.new_lens = list(context_lens), totals, list(new_lens)
         self.seq_lens = seq_lens
 
