@@ -104,6 +104,39 @@ def test_an_fp16_cache_is_read_as_its_fp32_values(B, Hkv, G, L, D, masked, seed)
     assert torch.equal(kernels.attend_one(q, k, v, mask, 0.3), kernels.attend_one(q, k.float(), v.float(), mask, 0.3))
 
 
+def test_every_fp16_value_is_read_exactly():
+    """Each of fp16's 63,488 finite values, as the one value of a row's one key (softmax gives it weight 1):
+    read back as its fp32 value, in whole vectors and in the channels past them (D = 70)."""
+    finite = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = finite[finite.isfinite()]
+    D = 70
+    v = torch.cat((finite, finite[: -len(finite) % D])).view(-1, 1, 1, D)  # (B, 1, 1, D)
+    q, k = torch.randn(v.shape[0], 1, 1, D), torch.randn(v.shape[0], 1, 1, D).half()
+    assert torch.equal(kernels.attend_one(q, k, v, None, 0.1), v.float())
+
+
+def test_an_fp16_cache_rounds_every_float_as_torch():
+    """rope_attend_one's write into an fp16 cache: to nearest, ties to even, as `Tensor.half`, on fp16's
+    midpoints (ties), random bit patterns (subnormals, overflow to inf, NaN), ±0 and ±inf; NaN stays NaN."""
+    finite = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = finite[finite.isfinite()].double().sort().values
+    ties = ((finite[1:] + finite[:-1]) / 2).float()  # exact in fp32: one bit more than fp16's
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504, 65519.99, 65520, -65520, 2**-24, 2**-25, 2**-26, 6e-8])
+    bits = torch.randint(-(2**31), 2**31 - 1, (2**16,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    x = torch.cat((ties, edges, bits.to(torch.int32).view(torch.float32)))
+    D, rot = 70, 2  # the first two channels rotated, the other 68 written as they are
+    x = torch.cat((x, x[: -len(x) % (D - rot)])).view(-1, D - rot)
+    B = x.shape[0]
+    qkv = torch.zeros(B, 3, D)
+    qkv[:, 1, rot:], qkv[:, 2, rot:] = x, x.flip(0)  # the key head and the value head
+    cos, sin = torch.ones(1, 1, 1, rot), torch.zeros(1, 1, 1, rot)
+    k, v = torch.zeros(B, 1, 1, D, dtype=torch.float16), torch.zeros(B, 1, 1, D, dtype=torch.float16)
+    kernels.rope_attend_one(qkv, cos, sin, k, v, [0] * B, None, 0.1)
+    for got, want in ((k[:, 0, 0, rot:], x.half()), (v[:, 0, 0, rot:], x.flip(0).half())):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), bs=st.sampled_from([1, 4, 16]), half=st.booleans(),
        seed=st.integers(0, 99))

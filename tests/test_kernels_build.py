@@ -34,3 +34,22 @@ def test_a_compiler_without_amx_still_builds_the_vector_kernels(knows_amx, monke
     kernels.build(tmp_path / "k.so")
     assert [kernels.AMX[1] in flags for flags in builds] == ([True] if knows_amx else [True, False])
     assert all(kernels.VNNI[0] in flags for flags in builds)
+
+
+@pytest.mark.skipif(not isa.X86 or shutil.which(os.environ.get("CC", "cc")) is None, reason="the kernels are built for x86 with a C compiler")
+def test_the_kernels_need_no_float16_type():
+    """GCC 11 (Ubuntu 22.04's compiler) has no _Float16 on x86, and with it no kernel would build: the sources
+    keep fp16 values as their bits (vec.h's `half`, `widen`, `narrow`). Each source, preprocessed at every
+    level, has no _Float16 in any line of its own or of its headers (the compiler's headers may)."""
+    cc = os.environ.get("CC", "cc")
+    for level, (width, flags) in kernels.variants().items():
+        for source, own in kernels.UNITS:
+            proc = subprocess.run([cc, *kernels.FLAGS, *flags, *own, f"-DVL={width}", f"-DNAME={level}", "-E", str(source)],
+                                  capture_output=True, text=True, check=True)
+            origin, ours = "", []
+            for line in proc.stdout.splitlines():
+                if line.startswith("# "):  # a line marker: # LINE "FILE" FLAGS
+                    origin = line.split('"')[1]
+                elif Path(origin).parent == kernels.HERE and "_Float16" in line:
+                    ours.append(line.strip())
+            assert not ours, f"{source.name} at {level}: {ours[:3]}"

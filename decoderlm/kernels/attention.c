@@ -12,7 +12,7 @@
  *
  * Keys and values are found by strides (in elements): row b's key l is at k + b·kb + l·ks + g·kh, or, with a
  * block table (a paged cache), in block table[b·W + l / bs] at k + block·kb + (l mod bs)·ks + g·kh. The
- * cache holds fp32 or, with half = 1, fp16 (the default mode's: half the bytes to read), widened to fp32 as
+ * cache holds fp32 or, with fp16 = 1, fp16 (the default mode's: half the bytes to read), widened to fp32 as
  * they are loaded; every sum is fp32 either way.
  *
  * rope_attend_one does a decode step's attention from the fused q/k/v projection: RoPE on q and k, the
@@ -30,33 +30,33 @@
 #include "stream.h"
 #include "vec.h"
 
-/* A cache's element: VL of them widened to a vector, one to a float (fp16: F16C's vcvtph2ps, in software
- * at the plain level), and a float stored into it. */
-static inline __attribute__((always_inline)) vf loadkv(const void *p, int half) {
-    if (!half) return loadf(p);
+/* A cache's element: VL of them widened to a vector, one to a float, and a float stored into it (fp16:
+ * vcvtph2ps at the AVX levels; vec.h's `widen` and `narrow`). */
+static inline __attribute__((always_inline)) vf loadkv(const void *p, int fp16) {
+    if (!fp16) return loadf(p);
 #if VL == 16
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p));
 #elif VL == 8
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p));
 #else
-    const _Float16 *h = p;
-    return (vf){h[0], h[1], h[2], h[3]};
+    const half *h = p;
+    return (vf){widen(h[0]), widen(h[1]), widen(h[2]), widen(h[3])};
 #endif
 }
-static inline __attribute__((always_inline)) float getkv(const void *p, int64_t i, int half) {
-    return half ? (float)((const _Float16 *)p)[i] : ((const float *)p)[i];
+static inline __attribute__((always_inline)) float getkv(const void *p, int64_t i, int fp16) {
+    return fp16 ? widen(((const half *)p)[i]) : ((const float *)p)[i];
 }
-static inline void putkv(void *p, const float *x, int64_t n, int half) {
-    if (!half) memcpy(p, x, n * sizeof(float));
-    else for (int64_t i = 0; i < n; i++) ((_Float16 *)p)[i] = (_Float16)x[i];
+static inline void putkv(void *p, const float *x, int64_t n, int fp16) {
+    if (!fp16) memcpy(p, x, n * sizeof(float));
+    else for (int64_t i = 0; i < n; i++) ((half *)p)[i] = narrow(x[i]);
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int half) {
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, int fp16) {
     vf acc = {0};
-    int64_t i = 0, es = half ? 2 : 4;
-    for (; i + VL <= D; i += VL) acc += loadf(a + i) * loadkv((const char *)b + i * es, half);
+    int64_t i = 0, es = fp16 ? 2 : 4;
+    for (; i + VL <= D; i += VL) acc += loadf(a + i) * loadkv((const char *)b + i * es, fp16);
     float s = hsum(acc);
-    for (; i < D; i++) s += a[i] * getkv(b, i, half);
+    for (; i < D; i++) s += a[i] * getkv(b, i, fp16);
     return s;
 }
 
@@ -123,11 +123,11 @@ static inline vf hsums(vf *a) {
 #define CW (VL == 16 ? 16 : 8)  /* vectors of sums in registers */
 #define LB 32  /* keys a block */
 static inline __attribute__((always_inline)) void attend(const float *q, int64_t qh, int64_t G, const void *k, int64_t kb,
-                                                          int64_t ks, const void *v, int64_t vb, int64_t vs, int half,
+                                                          int64_t ks, const void *v, int64_t vb, int64_t vs, int fp16,
                                                           const int64_t *table, int64_t W, int64_t bs, int64_t b, int64_t L,
                                                           const float *mask, int64_t D, int64_t Dv, float scale, float *s,
                                                           int64_t padded, float *acc, float *out) {
-    const int64_t whole = D / VL, es = half ? 2 : 4;
+    const int64_t whole = D / VL, es = fp16 ? 2 : 4;
     const char **kp = (const char **)(s + G * padded), **vp = kp + L;  /* each key's and value's address */
     const int64_t run = table ? bs : L;  /* keys at one stride from the first */
     for (int64_t l0 = 0; l0 < L; l0 += run) {
@@ -144,17 +144,17 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
             vf a[VL];
             for (int j = 0; j < VL; j++) {
                 a[j] = (vf){0};
-                for (int64_t c = 0; c < whole; c++) a[j] += loadf(qg + c * VL) * loadkv(kl[j] + c * VL * es, half);
+                for (int64_t c = 0; c < whole; c++) a[j] += loadf(qg + c * VL) * loadkv(kl[j] + c * VL * es, fp16);
             }
             vf dots = hsums(a);
             for (int64_t i = whole * VL; i < D; i++)
-                for (int j = 0; j < VL; j++) dots[j] += qg[i] * getkv(kl[j], i, half);
+                for (int j = 0; j < VL; j++) dots[j] += qg[i] * getkv(kl[j], i, fp16);
             storef(s + h * padded + l, scale * dots + m);
         }
     }
     for (; l < L; l++) {
         const float m = mask ? mask[l] : 0.0f;
-        for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kp[l], D, half) + m;
+        for (int64_t h = 0; h < G; h++) s[h * padded + l] = scale * dot(q + h * qh, kp[l], D, fp16) + m;
     }
     float total[G];
     for (int64_t h = 0; h < G; h++) {
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
                 for (int64_t l = l0; l < l1; l++) {
                     const char *vl = vp[l] + c0 * VL * es;
                     const float p = sh[l];
-                    for (int c = 0; c < n; c++) sum[c] = sum[c] + p * loadkv(vl + c * VL * es, half);
+                    for (int c = 0; c < n; c++) sum[c] = sum[c] + p * loadkv(vl + c * VL * es, fp16);
                 }
                 for (int c = 0; c < n; c++) storef(ah + (c0 + c) * VL, sum[c]);
             }
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
         float *ah = acc + h * Dv;
         for (int64_t j = Dv / VL * VL; j < Dv; j++) {  /* channels past the last whole vector */
             float sum = 0;
-            for (int64_t l = 0; l < L; l++) sum = sum + sh[l] * getkv(vp[l], j, half);
+            for (int64_t l = 0; l < L; l++) sum = sum + sh[l] * getkv(vp[l], j, fp16);
             ah[j] = sum;
         }
         for (int64_t j = 0; j < Dv; j++) out[h * Dv + j] = ah[j] / total[h];
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
 
 #define ITEM 16  /* an item's work besides its keys, in keys: each thread takes a run of items of equal work */
 void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const void *k, int64_t kb, int64_t ks, int64_t kh,
-                           const void *v, int64_t vb, int64_t vs, int64_t vh, int64_t half, const int64_t *table, int64_t W, int64_t bs,
+                           const void *v, int64_t vb, int64_t vs, int64_t vh, int64_t fp16, const int64_t *table, int64_t W, int64_t bs,
                            const int64_t *lens, const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t Dv, float scale, float *y) {
     int64_t longest = 0;
@@ -217,14 +217,14 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const void *k
         for (int64_t bg = 0; bg < B * Hkv; before += lens[bg / Hkv] + ITEM, bg++) {
             if (before * threads < me * work || before * threads >= (me + 1) * work) continue;  /* another thread's share */
             const int64_t b = bg / Hkv, g = bg % Hkv;
-            const int64_t es = half ? 2 : 4;
+            const int64_t es = fp16 ? 2 : 4;
             const float *qg = q + b * qb + g * G * qh, *m = mask ? mask + b * mb : 0;
             const char *kg = (const char *)k + g * kh * es, *vg = (const char *)v + g * vh * es;
             float *out = y + bg * G * Dv;  /* heads g·G .. g·G + G − 1 of row b */
 #define ATTEND(h, d, dv) attend(qg, qh, G, kg, kb, ks, vg, vb, vs, h, table, W, bs, b, lens[b], m, d, dv, scale, s, padded, acc, out)
-            if (D == 64 && Dv == 64) half ? ATTEND(1, 64, 64) : ATTEND(0, 64, 64);
-            else if (D == 128 && Dv == 128) half ? ATTEND(1, 128, 128) : ATTEND(0, 128, 128);
-            else half ? ATTEND(1, D, Dv) : ATTEND(0, D, Dv);
+            if (D == 64 && Dv == 64) fp16 ? ATTEND(1, 64, 64) : ATTEND(0, 64, 64);
+            else if (D == 128 && Dv == 128) fp16 ? ATTEND(1, 128, 128) : ATTEND(0, 128, 128);
+            else fp16 ? ATTEND(1, D, Dv) : ATTEND(0, D, Dv);
 #undef ATTEND
         }
         free(s);
@@ -240,7 +240,7 @@ void CAT(attend_one, NAME)(const float *q, int64_t qb, int64_t qh, const void *k
  * cos and sin: rot floats per row, cb and sb apart (0: one row for all). */
 void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, const float *sin, int64_t cb, int64_t sb, int64_t rot,
                                 const int64_t *pos, void *k, int64_t kb, int64_t ks, int64_t kh, void *v, int64_t vb, int64_t vs,
-                                int64_t vh, int64_t half, const int64_t *table, int64_t W, int64_t bs, const int64_t *lens,
+                                int64_t vh, int64_t fp16, const int64_t *table, int64_t W, int64_t bs, const int64_t *lens,
                                 const float *mask, int64_t mb, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, float *y) {
     const int64_t mid = rot / 2;
     float old[rot];
@@ -255,12 +255,12 @@ void CAT(rope_attend_one, NAME)(float *qkv, int64_t qkvb, const float *cos, cons
                 x[j] = straight + swapped;
             }
         }
-        const int64_t es = half ? 2 : 4;
+        const int64_t es = fp16 ? 2 : 4;
         char *kd = (char *)at(k, es, table, W, bs, b, pos[b], kb, ks), *vd = (char *)at(v, es, table, W, bs, b, pos[b], vb, vs);
         for (int64_t g = 0; g < Hkv; g++) {
-            putkv(kd + g * kh * es, row + (H + g) * D, D, half);
-            putkv(vd + g * vh * es, row + (H + Hkv + g) * D, D, half);
+            putkv(kd + g * kh * es, row + (H + g) * D, D, fp16);
+            putkv(vd + g * vh * es, row + (H + Hkv + g) * D, D, fp16);
         }
     }
-    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, half, table, W, bs, lens, mask, mb, B, H, Hkv, D, D, scale, y);
+    CAT(attend_one, NAME)(qkv, qkvb, D, k, kb, ks, kh, v, vb, vs, vh, fp16, table, W, bs, lens, mask, mb, B, H, Hkv, D, D, scale, y);
 }

@@ -63,7 +63,7 @@ static inline void i8x32(const int8_t *p, vf *w) {
 
 /* Row n's `count` block scales d (and offsets m, where there are) in fp32: converted once per row, each
  * block's then splats from a load. */
-static inline void scales(const _Float16 *d, const _Float16 *m, int64_t n, int64_t count, float *ds, float *ms) {
+static inline void scales(const half *d, const half *m, int64_t n, int64_t count, float *ds, float *ms) {
     d += n * count, m = m ? m + n * count : m;
     int64_t i = 0;
 #if VL >= 8
@@ -72,7 +72,7 @@ static inline void scales(const _Float16 *d, const _Float16 *m, int64_t n, int64
         if (m) _mm256_storeu_ps(ms + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + i))));
     }
 #endif
-    for (; i < count; i++) ds[i] = d[i], ms[i] = m ? (float)m[i] : 0;
+    for (; i < count; i++) ds[i] = widen(d[i]), ms[i] = m ? widen(m[i]) : 0;
 }
 
 /* The 32 weights of block b of row n as NV float vectors, inputs in order (ds, ms: the row's scales).
@@ -116,7 +116,7 @@ static inline void weights_q8(const void *q, const float *ds, const float *ms, i
 
 /* Row n's K weights unpacked into w. */
 #define UNPACK(KIND)                                                                                      \
-static inline void unpack_##KIND(const void *q, const _Float16 *d, const _Float16 *m, int64_t n, int64_t K, float *w) { \
+static inline void unpack_##KIND(const void *q, const half *d, const half *m, int64_t n, int64_t K, float *w) { \
     float ds[K / 32], ms[K / 32];                                                                         \
     scales(d, m, n, K / 32, ds, ms);                                                                      \
     for (int64_t b = 0; b < K / 32; b++) {                                                                \
@@ -136,7 +136,7 @@ UNPACK(q8)
  * products in block order, in every tile. */
 #define TILE(KIND, MRC, NRC)                                                                              \
 static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_t K, const void *q,     \
-        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
+        const half *d, const half *m, int64_t n0, float *y, int64_t N) {                          \
     /* AVX2: 2 outputs a pass for 3-4 rows, 1 for 5-12; AVX-512 (32 registers): 2 for 5-8 */            \
     enum { NC = NRC == 1 ? 1 : MRC > 4 ? (VL == 16 ? 2 : 1) : VL == 8 && MRC > 2 ? NRC / 2 : NRC,       \
            KB = 128 / MRC };                                                                              \
@@ -188,7 +188,7 @@ static inline void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const float *x, int64_
 #define COLUMNS(KIND, NRC)                                                                                \
 T(KIND, 1, NRC) T(KIND, 2, NRC) T(KIND, 3, NRC) T(KIND, 4, NRC) TILES_8(KIND, NRC) TILES_12(KIND, NRC)    \
 static void CAT(columns_##KIND##_##NRC, NAME)(const float *x, int64_t M, int64_t K, const void *q,      \
-        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
+        const half *d, const half *m, int64_t n0, float *y, int64_t N) {                          \
     const int64_t tiles = (M + MR - 1) / MR;                                                              \
     for (int64_t t = 0, r = 0; t < tiles; t++) {                                                          \
         const int rows = EVEN ? (int)(M / tiles + (t < M % tiles)) : (int)(M - r < MR ? M - r : MR);      \
@@ -239,8 +239,8 @@ static void CAT(unpacked, NAME)(const float *x, int64_t M, int64_t K, const floa
  * than MR rows, once into a buffer that every group of MF rows reads. */
 #define MATMUL(KIND)                                                                                      \
 COLUMNS(KIND, 4) COLUMNS(KIND, 1)  /* 4 = NR */                                                          \
-void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,   \
-                             const _Float16 *m, int64_t N, float *y) {                                   \
+void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *q, const half *d,   \
+                             const half *m, int64_t N, float *y) {                                   \
     const int64_t tiles = N / NR;                                                                         \
     _Pragma("omp parallel")                                                                               \
     {                                                                                                     \
@@ -261,7 +261,7 @@ void CAT(KIND##_matmul, NAME)(const float *x, int64_t M, int64_t K, const void *
 /* The fp32 weight (N, K) of the blocks, as the kernels compute with it and the float path dequantizes it
  * (a prefill multiplies by it with BLAS). */
 #define DEQUANTIZE(KIND)                                                                                  \
-void CAT(KIND##_dequantize, NAME)(const void *q, const _Float16 *d, const _Float16 *m, int64_t N,       \
+void CAT(KIND##_dequantize, NAME)(const void *q, const half *d, const half *m, int64_t N,       \
                                  int64_t K, float *w) {                                                  \
     _Pragma("omp parallel for schedule(static)")                                                          \
     for (int64_t n = 0; n < N; n++) unpack_##KIND(q, d, m, n, K, w + n * K);                             \

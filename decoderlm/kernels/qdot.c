@@ -229,24 +229,24 @@ static inline void blocks_of(vi s[NR][NV], vi S[RV]) {
 }
 #if VL != 4
 /* h[0..nb) (nb <= 4) in the low 64 bits, zeros after (loaded whole: a copy to the stack first stalls each load). */
-static inline __m128i half4(const _Float16 *h, int nb) {
+static inline __m128i half4(const half *h, int nb) {
 #if VL == 16
     return nb == 4 ? _mm_loadl_epi64((const __m128i *)h) : _mm_maskz_loadu_epi16((__mmask8)((1 << nb) - 1), h);
 #else
     if (nb == 4) return _mm_loadl_epi64((const __m128i *)h);
     if (nb == 2) { int32_t two; memcpy(&two, h, 4); return _mm_cvtsi32_si128(two); }
-    _Float16 b[4] = {0, 0, 0, 0};
+    half b[4] = {{0}};
     memcpy(b, h, 2 * (size_t)nb);
     return _mm_loadl_epi64((const __m128i *)b);
 #endif
 }
 #endif
 /* h[n·B + j] (outputs n < nrc, blocks j < nb of a quad; the rest 0) in the lanes of blocks_of. */
-static inline __attribute__((always_inline)) void scales_of(const _Float16 *h, int64_t B, int nrc, int nb, vf out[RV]) {
+static inline __attribute__((always_inline)) void scales_of(const half *h, int64_t B, int nrc, int nb, vf out[RV]) {
 #if VL == 4
     float f[8] = {0};  /* SSE4.1 has no F16C */
     for (int n = 0; n < nrc; n++)
-        for (int j = 0; j < nb; j++) f[4 * n + j] = (float)h[n * B + j];
+        for (int j = 0; j < nb; j++) f[4 * n + j] = widen(h[n * B + j]);
     out[0] = (vf){f[0], f[2], f[4], f[6]}, out[1] = (vf){f[1], f[3], f[5], f[7]};
 #else
     __m128i u[NR];  /* output n's four fp16 in the low 64 bits */
@@ -360,7 +360,7 @@ static void quantize_row(const float *x, int64_t K, xquad *out, int16_t *pairs) 
  * chains acc. `nb` (a constant where this is inlined) is the quad's blocks within the row. */
 #define QUAD(KIND, MRC, NRC)                                                                              \
 static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NRC, NAME)(               \
-        const xquad *xs, int64_t P, int64_t K, const void *q, const _Float16 *d, const _Float16 *m,       \
+        const xquad *xs, int64_t P, int64_t K, const void *q, const half *d, const half *m,       \
         int64_t n0, int64_t p, int nb, vf acc[MRC][RV]) {                                                 \
     const int64_t B = K / 32;                                                                             \
     wquad w[NRC];                                                                                         \
@@ -399,7 +399,7 @@ static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NR
 #define TILE(KIND, MRC, NRC)                                                                              \
 QUAD(KIND, MRC, NRC)                                                                                      \
 static void CAT(tile_##KIND##_##MRC##_##NRC, NAME)(const xquad *xs, int64_t K, const void *q,           \
-        const _Float16 *d, const _Float16 *m, int64_t n0, float *y, int64_t N) {                          \
+        const half *d, const half *m, int64_t n0, float *y, int64_t N) {                          \
     const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
     vf acc[MRC][RV];                                                                                      \
     for (int r = 0; r < MRC; r++)                                                                         \
@@ -458,14 +458,14 @@ static inline void pairs_q8(const wquad *w, int i, vi t[4]) {  /* signed bytes, 
     t[0] = (vi)((lo << 8) >> 8), t[1] = (vi)(lo >> 8), t[2] = (vi)((hi << 8) >> 8), t[3] = (vi)(hi >> 8);
 }
 /* h[0..nb) (a quad's blocks; the rest 0) in blocks_of's lanes: each lane its block's value. */
-static inline void spread_blocks(const _Float16 *h, int nb, vf out[RV]) {
+static inline void spread_blocks(const half *h, int nb, vf out[RV]) {
 #if VL == 16
     out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(_mm_cvtph_ps(half4(h, nb))));
 #elif VL == 8
     out[0] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(half4(h, nb))), _mm256_set_epi32(3, 1, 3, 1, 2, 0, 2, 0));
 #else
     float f[4] = {0, 0, 0, 0};
-    for (int j = 0; j < nb; j++) f[j] = (float)h[j];
+    for (int j = 0; j < nb; j++) f[j] = widen(h[j]);
     out[0] = (vf){f[0], f[2], f[0], f[2]}, out[1] = (vf){f[1], f[3], f[1], f[3]};
 #endif
 }
@@ -476,8 +476,8 @@ static inline int lane_row(int L) { return VL == 16 ? L % 4 : L % 4 / 2; }
  * dxT, sxT: per RG rows and quad, dx and sx in those lanes. */
 #define WIDE_QUAD(KIND)                                                                                   \
 static inline __attribute__((always_inline)) void CAT(wide_quad_##KIND, NAME)(const int16_t *xp,          \
-        const float *dxT, const float *sxT, int64_t P, int64_t K, const void *q, const _Float16 *d,        \
-        const _Float16 *m, int64_t n, int64_t p, int nb, int R, vf acc[][RV]) {                           \
+        const float *dxT, const float *sxT, int64_t P, int64_t K, const void *q, const half *d,        \
+        const half *m, int64_t n, int64_t p, int nb, int R, vf acc[][RV]) {                           \
     const int64_t B = K / 32;                                                                             \
     wquad w;                                                                                              \
     vf dw[RV], mw[RV];                                                                                    \
@@ -503,7 +503,7 @@ static inline __attribute__((always_inline)) void CAT(wide_quad_##KIND, NAME)(co
 /* Output n for rows [0, R) (R <= RB, a constant where inlined). */
 #define WIDE(KIND, R)                                                                                     \
 static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const float *dxT, const float *sxT, int64_t K, \
-        const void *q, const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {            \
+        const void *q, const half *d, const half *m, int64_t n, float *y, int64_t N) {            \
     const int64_t B = K / 32, P = (B + 3) / 4;                                                            \
     vf acc[(R + RG - 1) / RG][RV];                                                                        \
     for (int g = 0; g * RG < R; g++)                                                                      \
@@ -520,7 +520,7 @@ static void CAT(wide_##KIND##_##R, NAME)(const int16_t *xp, const float *dxT, co
 #define WIDE_BATCH(KIND) WIDE_QUAD(KIND) WIDE(KIND, 1) WIDE(KIND, 2) WIDE(KIND, 3) WIDE(KIND, 4)          \
                     WIDE(KIND, 5) WIDE(KIND, 6) WIDE(KIND, 7) WIDE(KIND, 8)                               \
 static void CAT(wide_##KIND, NAME)(const int16_t *xp, const float *dxT, const float *sxT, int64_t r, int64_t R, \
-        int64_t K, const void *q, const _Float16 *d, const _Float16 *m, int64_t n, float *y, int64_t N) {  \
+        int64_t K, const void *q, const half *d, const half *m, int64_t n, float *y, int64_t N) {  \
     const int64_t P = (K / 32 + 3) / 4;                                                                   \
     for (int64_t e = r + R; r < e; r += RB) {                                                             \
         const int16_t *xr = xp + r * P * 128;                                                             \
@@ -631,7 +631,7 @@ static void widen_q8(const int8_t *p, int64_t B, int32_t *w) {
 }
 /* The tile's scales h + n·B (outputs n < nrc, B blocks; the rest 0) as fp32 at out[NT·b + n]: four blocks at a
  * time in scales_of's lanes (block L/4 of output L%4, NT = NR = 4). */
-static void tile_scales(const _Float16 *h, int64_t B, int nrc, float *out) {
+static void tile_scales(const half *h, int64_t B, int nrc, float *out) {
     for (int64_t b = 0; b < B; b += 4) {
         vf v[RV];
         if (nrc == NT && b + 4 <= B) scales_of(h + b, B, NT, 4, v);
@@ -685,8 +685,8 @@ static inline __attribute__((always_inline)) void group_tile(const int32_t *x, c
 }
 
 #define BATCH(KIND, WIDEN, T)                                                                             \
-static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d, \
-        const _Float16 *m, int64_t N, float *y) {                                                         \
+static void CAT(batch_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const half *d, \
+        const half *m, int64_t N, float *y) {                                                         \
     const int64_t B = K / 32, groups = (M + G - 1) / G, tiles = (N + NT - 1) / NT;                        \
     int32_t *xg = aligned_alloc(64, (size_t)(groups * B * G) * 64);                                       \
     float *dxg = aligned_alloc(64, (size_t)(groups * B * G) * 4), *sxg = aligned_alloc(64, (size_t)(groups * B * G) * 4); \
@@ -783,7 +783,7 @@ static void digits_block(const float *x, int64_t M, int64_t K, int64_t b, int8_t
 
 /* Outputs [n0, n0 + nrc) as weight tiles, block b's 16 × 32 bytes at wt + 512·b (outputs past nrc 0), and their
  * scales as fp32 at dw, mw + 16·b. Q8_0's full tiles are read in place instead (TILE_OF_q8). */
-static void tiles_q4(const uint8_t *q, const _Float16 *d, const _Float16 *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
+static void tiles_q4(const uint8_t *q, const half *d, const half *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
     const int64_t B = K / 32;
     const __m128i low = _mm_set1_epi8(15);
     for (int64_t b = 0; b < B; b++)
@@ -791,16 +791,16 @@ static void tiles_q4(const uint8_t *q, const _Float16 *d, const _Float16 *m, int
             const __m128i v = n < nrc ? _mm_loadu_si128((const __m128i *)(q + (n0 + n) * (K / 2) + 16 * b)) : _mm_setzero_si128();
             _mm_store_si128((__m128i *)(wt + 512 * b + 32 * n), _mm_and_si128(v, low));
             _mm_store_si128((__m128i *)(wt + 512 * b + 32 * n + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
-            dw[16 * b + n] = n < nrc ? (float)d[(n0 + n) * B + b] : 0, mw[16 * b + n] = n < nrc ? (float)m[(n0 + n) * B + b] : 0;
+            dw[16 * b + n] = n < nrc ? widen(d[(n0 + n) * B + b]) : 0, mw[16 * b + n] = n < nrc ? widen(m[(n0 + n) * B + b]) : 0;
         }
 }
-static void tiles_q8(const int8_t *q, const _Float16 *d, const _Float16 *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
+static void tiles_q8(const int8_t *q, const half *d, const half *m, int64_t K, int64_t n0, int nrc, uint8_t *wt, float *dw, float *mw) {
     const int64_t B = K / 32;
     (void)m, (void)mw;
     for (int64_t b = 0; b < B; b++)
         for (int n = 0; n < 16; n++) {
             if (nrc < 16) n < nrc ? memcpy(wt + 512 * b + 32 * n, q + (n0 + n) * K + 32 * b, 32) : memset(wt + 512 * b + 32 * n, 0, 32);
-            dw[16 * b + n] = n < nrc ? (float)d[(n0 + n) * B + b] : 0;
+            dw[16 * b + n] = n < nrc ? widen(d[(n0 + n) * B + b]) : 0;
         }
 }
 /* Block b's weight tile: (pointer, row stride). */
@@ -826,8 +826,8 @@ static void tiles_q8(const int8_t *q, const _Float16 *d, const _Float16 *m, int6
     }                                                                                                     \
 }
 #define AMX_BATCH(KIND, T)                                                                                \
-static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d, \
-        const _Float16 *m, int64_t N, float *y) {                                                         \
+static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const half *d, \
+        const half *m, int64_t N, float *y) {                                                         \
     const int64_t B = K / 32, groups = (M + 15) / 16, tiles = (N + 15) / 16;                              \
     int8_t *xt = aligned_alloc(64, (size_t)(groups * B) * 1024);                                          \
     float *dxt = aligned_alloc(64, (size_t)(groups * B) * 64), *sxt = aligned_alloc(64, (size_t)(groups * B) * 64); \
@@ -896,7 +896,7 @@ AMX_BATCH(q8, int8_t)
 #define MATMUL(KIND)                                                                                      \
 TILE_(KIND, 1, NR) TILE(KIND, 1, 1) TILE_(KIND, MR, NR) TILE_(KIND, MR, 1)                                \
 static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, const void *q,             \
-        const _Float16 *d, const _Float16 *m, int64_t n0, int wide, float *y, int64_t N) {                \
+        const half *d, const half *m, int64_t n0, int wide, float *y, int64_t N) {                \
     const int64_t P = (K / 32 + 3) / 4;                                                                   \
     int64_t r = 0;                                                                                        \
     for (; r + MR <= M; r += MR)                                                                          \
@@ -905,8 +905,8 @@ static void CAT(columns_##KIND, NAME)(const xquad *xs, int64_t M, int64_t K, con
     for (; r < M; r++)                                                                                    \
         (wide ? CAT(CAT(tile_##KIND##_1, NR), NAME) : CAT(tile_##KIND##_1_1, NAME))(xs + r * P, K, q, d, m, n0, y + r * N, N); \
 }                                                                                                         \
-void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K, const void *q, const _Float16 *d,  \
-                                const _Float16 *m, int64_t N, float *y) {                                 \
+void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K, const void *q, const half *d,  \
+                                const half *m, int64_t N, float *y) {                                 \
     BATCH_CALL(KIND)                                                                                      \
     const int64_t P = (K / 32 + 3) / 4, tiles = N / NR, groups = (M + RG - 1) / RG;                       \
     xquad *xs = aligned_alloc(64, (size_t)(M * P) * sizeof(xquad));                                       \
