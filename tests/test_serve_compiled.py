@@ -81,9 +81,9 @@ def test_compiled_steps_give_the_eager_steps_tokens(smol, built):
     finds the package the CLI built, gives every request the eager engine's greedy tokens, with logprobs
     within 1e-4 of the eager step's in fp32 arithmetic with fp32 keys. The compiled graph's fused norms and
     adds differ from eager's in last bits, and int16 activations round those bits on to a grid of 1/65024 of
-    each block's largest input at every layer (by 1e-3 of a logprob at most, measured on the Zen 4), keys and
-    values kept in fp16 (the default) on to fp16's steps of 2^-11 (1.6e-3 on the Intel Xeon with both): there
-    the bound is 3e-3."""
+    each block's largest input at every layer (by 1e-3 of a logprob at most, measured on the Zen 4): there the
+    bound is 3e-3. Keys and values kept in fp16 (the default) round them on to fp16's steps of 2^-11 (up to 4e-3
+    among the top logprobs on the Intel Xeon): there it is 1e-2."""
     model, tok = smol
     compiled_engine = engine(model, None)
     assert compiled_engine.compiled.ready(), compiled_engine.compiled.reason
@@ -95,7 +95,7 @@ def test_compiled_steps_give_the_eager_steps_tokens(smol, built):
     want = serve(engine(model, False), prompts, params)
     assert counter.runs >= 16  # the decode steps ran compiled (the first token of each reply comes from its prompt)
     assert [[t for t, _, _ in row] for row in got] == [[t for t, _, _ in row] for row in want]
-    bound = 1e-4 if ARITHMETIC == "fp32" and cache_dtype(model) == torch.float32 else 3e-3
+    bound = 1e-2 if cache_dtype(model) == torch.float16 else 1e-4 if ARITHMETIC == "fp32" else 3e-3
     for g_row, w_row in zip(got, want):
         for (_, g_lp, g_top), (_, w_lp, w_top) in zip(g_row, w_row):
             assert abs(g_lp - w_lp) < bound and [i for i, _ in g_top] == [i for i, _ in w_top]

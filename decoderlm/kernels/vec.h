@@ -1,6 +1,6 @@
 /* What the kernel files share: GCC vectors of VL floats (VL is set per instruction set when a file is
- * compiled, with NAME, the suffix of its entry points), unaligned loads and stores, and a vector's sum
- * in one fixed order. */
+ * compiled, with NAME, the suffix of its entry points), unaligned loads and stores, fp16 values and their
+ * conversions, and a vector's sum in one fixed order. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -12,6 +12,7 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* An fp16 value as stored (block scales, an fp16 KV cache): its 16 bits, in a struct so that no arithmetic
  * takes them for a number unconverted. (Not _Float16: GCC 11 has none on x86, and would build no kernel.) */
@@ -47,7 +48,6 @@ static inline half narrow(float x) {
     return (half){sign | (uint16_t)__builtin_rintf(f * 0x1p24f)};  /* subnormal: in units of 2^-24, exact, then rounded */
 }
 #endif
-static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* v folded by op (a function of two vectors) in pairwise halves: lanes i and i + VL/2 first, then the same on
  * the first half, ...; lane 0 holds the result. */
