@@ -192,14 +192,12 @@ class HybridKVCache:
         return self.full.nbytes() + self.rolling.nbytes()
 
 
-def store_keys_in(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
+def store_keys_in(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
     """Keep every attention layer's keys and values in `dtype` (float16: half the cache's bytes; None: the
     model's own dtype): each layer rounds k and v to it in every path (`Attention.kv_dtype`), and caches made
-    with `cache_dtype` store them so. The number of layers set (multi-head latent attention keeps its latent as is)."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    for layer in layers:
+    with `cache_dtype` store them so. Multi-head latent attention keeps its latent as it is."""
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
         layer.kv_dtype = dtype
-    return len(layers)
 
 
 def cache_dtype(model: torch.nn.Module) -> torch.dtype:
