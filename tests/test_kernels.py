@@ -291,7 +291,7 @@ def qdot_reference(x: torch.Tensor, b: q.Blocks, fma: bool, activations: str) ->
 
 
 @pytest.mark.parametrize("rows, blocks, outputs", [(1, 18, 45), (2, 19, 3000), (5, 19, 45), (11, 50, 3000), (11, 18, 6),
-                                                   (16, 18, 45), (16, 50, 6), (20, 19, 3000)])
+                                                   (16, 18, 45), (16, 50, 6), (20, 19, 3000), (3, 17, 45)])
 @pytest.mark.parametrize("activations", ROUNDED)
 @pytest.mark.parametrize("kind", QTYPES)
 def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(kind, activations, rows, blocks, outputs):
@@ -301,7 +301,7 @@ def test_rounded_activations_are_qdots_arithmetic_at_every_level_this_cpu_runs(k
     rows); 5 and 11: int16's batches (8 rows at a time, sums of 4 or 2 rows together; 50 blocks: in
     passes); 16 and 20: AVX-512's rows in lanes (a group of 16 rows; one of 16 and one of 4 in 8 lanes).
     18 blocks: four whole quads and two blocks; 19: three; 6 and 45 outputs: a partial tile; 3000: many
-    tiles a thread."""
+    tiles a thread; 17 blocks: a last quad of one block (its other vectors skipped below AVX-512)."""
     torch.manual_seed(8)
     b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)

@@ -100,8 +100,9 @@ static inline __m512i dot(__m512i acc, __m512i u, __m512i x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
 #endif
 }
-/* Per lane: Σ of its 8 products, exact. */
-static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
+/* Per lane: Σ of its 8 products, exact; vectors past the quad's nb blocks are 0 (below AVX-512: not computed). */
+static inline void dots(const wquad *w, const int8_t *x, int q8, int nb, vi s[NV]) {
+    (void)nb;
     __m512i lo = _mm512_loadu_si512(x), hi = _mm512_loadu_si512(x + 64);
     if (q8) lo = _mm512_mask_sub_epi8(lo, w->neg[0], _mm512_setzero_si512(), lo), hi = _mm512_mask_sub_epi8(hi, w->neg[1], _mm512_setzero_si512(), hi);
     s[0] = (vi)dot(dot(_mm512_setzero_si512(), w->u[0], lo), w->u[1], hi);
@@ -131,8 +132,9 @@ static inline __m256i dot2(__m256i u0, __m256i u1, __m256i x0, __m256i x1, int q
     if (q8) return _mm256_add_epi32(_mm256_madd_epi16(a, one), _mm256_madd_epi16(b, one));  /* |a + b| could pass 2^15 */
     return _mm256_madd_epi16(_mm256_add_epi16(a, b), one);  /* |2·15·127| twice fits in int16 */
 }
-static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
-    for (int i = 0; i < 2; i++) {
+static inline void dots(const wquad *w, const int8_t *x, int q8, int nb, vi s[NV]) {
+    s[1] = (vi){0};
+    for (int i = 0; i < (nb + 1) / 2; i++) {
         __m256i lo = _mm256_loadu_si256((const __m256i *)(x + 32 * i)), hi = _mm256_loadu_si256((const __m256i *)(x + 64 + 32 * i));
         if (q8) lo = _mm256_sign_epi8(lo, w->sign[i]), hi = _mm256_sign_epi8(hi, w->sign[2 + i]);
         s[i] = (vi)dot2(w->u[i], w->u[2 + i], lo, hi, q8);
@@ -156,9 +158,10 @@ static inline void load_q8(const int8_t *p, int nb, wquad *w) {
         w->u[j] = _mm_abs_epi8(w->sign[j]), w->u[4 + j] = _mm_abs_epi8(w->sign[4 + j]);
     }
 }
-static inline void dots(const wquad *w, const int8_t *x, int q8, vi s[NV]) {
+static inline void dots(const wquad *w, const int8_t *x, int q8, int nb, vi s[NV]) {
     const __m128i one = _mm_set1_epi16(1);
-    for (int j = 0; j < 4; j++) {
+    for (int j = nb; j < 4; j++) s[j] = (vi){0};
+    for (int j = 0; j < nb; j++) {
         __m128i lo = _mm_loadu_si128((const __m128i *)(x + 16 * j)), hi = _mm_loadu_si128((const __m128i *)(x + 64 + 16 * j));
         if (q8) lo = _mm_sign_epi8(lo, w->sign[j]), hi = _mm_sign_epi8(hi, w->sign[4 + j]);
         const __m128i a = _mm_maddubs_epi16(w->u[j], lo), b = _mm_maddubs_epi16(w->u[4 + j], hi);
@@ -375,10 +378,10 @@ static inline __attribute__((always_inline)) void CAT(quad_##KIND##_##MRC##_##NR
         for (int n = NRC; n < NR; n++)  /* outputs past NRC: 0 */                                         \
             for (int i = 0; i < NV; i++) s[n][i] = (vi){0};                                               \
         for (int n = 0; n < NRC; n++) {                                                                   \
-            dots(&w[n], xp->q[0], !Q4_##KIND, s[n]);                                                      \
+            dots(&w[n], xp->q[0], !Q4_##KIND, nb, s[n]);                                                  \
             if (DIGITS == 2) {  /* 255·Σ qw·hi + Σ qw·lo, exact */                                        \
                 vi lo[NV];                                                                                \
-                dots(&w[n], xp->q[DIGITS - 1], !Q4_##KIND, lo);                                           \
+                dots(&w[n], xp->q[DIGITS - 1], !Q4_##KIND, nb, lo);                                       \
                 for (int i = 0; i < NV; i++) s[n][i] = (s[n][i] << 8) - s[n][i] + lo[i];                  \
             }                                                                                             \
         }                                                                                                 \
@@ -484,13 +487,14 @@ static inline __attribute__((always_inline)) void CAT(wide_quad_##KIND, NAME)(co
     load_##KIND((const void *)((const char *)q + n * BYTES_##KIND(K) + 4 * p * BYTES_##KIND(32)), nb, &w); \
     spread_blocks(d + n * B + 4 * p, nb, dw);                                                             \
     if (Q4_##KIND) spread_blocks(m + n * B + 4 * p, nb, mw);                                              \
+    const int nv = (4 * nb + VL - 1) / VL;  /* vectors holding blocks (a partial quad's others: 0) */   \
     vi t[NV][4];                                                                                          \
-    for (int i = 0; i < NV; i++) pairs_##KIND(&w, i, t[i]);                                               \
+    for (int i = 0; i < nv; i++) pairs_##KIND(&w, i, t[i]);                                               \
     for (int g = 0; g * RG < R; g++) {                                                                    \
         vi s[NR][NV], S[RV];                                                                              \
         for (int e = 0; e < RG; e++)                                                                      \
             for (int i = 0; i < NV; i++)                                                                  \
-                s[e][i] = g * RG + e < R ? dot4(t[i], (const vi *)(xp + ((g * RG + e) * P + p) * 128) + 4 * i) : (vi){0}; \
+                s[e][i] = g * RG + e < R && i < nv ? dot4(t[i], (const vi *)(xp + ((g * RG + e) * P + p) * 128) + 4 * i) : (vi){0}; \
         blocks_of(s, S);                                                                                  \
         const float *dq = dxT + (g * P + p) * RL, *sq = sxT + (g * P + p) * RL;                           \
         for (int v = 0; v < RV; v++) {                                                                    \
