@@ -122,6 +122,27 @@ def test_fit_context_drops_oldest_turns_keeps_system(smollm2):
         chat.fit_context(tok, [system, {"role": "user", "content": "word " * 400}], max_len=200, max_new_tokens=50)
 
 
+def test_fit_context_drops_whole_tool_exchanges_and_counts_the_tools(smollm2):
+    """With tools, an exchange is a user message and every turn up to the next one (calls and their
+    results): the oldest go whole, and the tools' definitions count against the context."""
+    tok = smollm2[1]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather " * 20,
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    system = {"role": "system", "content": "Be brief."}
+
+    def exchange(i: int) -> list[dict]:
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": f"town {i}"}}}
+        return [{"role": "user", "content": f"question {i} " * 10}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i} " * 10}, {"role": "assistant", "content": f"answer {i} " * 5}]
+
+    messages = [system] + [m for i in range(6) for m in exchange(i)] + [{"role": "user", "content": "last"}]
+    plain, _ = chat.fit_context(tok, messages, max_len=600, max_new_tokens=50)
+    kept, prompt = chat.fit_context(tok, messages, max_len=600, max_new_tokens=50, tools=tools)
+    assert kept[0] == system and kept[1]["role"] == "user" and kept[1:] == messages[len(messages) - len(kept) + 1 :]
+    assert len(kept) < len(plain) < len(messages) and len(prompt) <= 550
+    assert prompt == tok.encode(tok.apply_chat_template(kept, add_generation_prompt=True, tools=tools), add_special_tokens=False)
+
+
 def test_known_names_and_missing_package(monkeypatch, capsys):
     assert names.locate(names.DEFAULT_MODEL).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(DecoderLMError, match="unknown model name"):

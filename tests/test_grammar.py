@@ -110,3 +110,12 @@ def test_library_chat_returns_parsed_calls(tiny):
     assert f'<tool_call>{{"name": "add", "arguments": {reply.tool_calls[0].arguments}}}</tool_call>' in rendered and "<|tool|>5" in rendered
     plain = chat(model, tok, messages, tools=TOOLS, tool_choice="none", params=SamplingParams(temperature=0.0, max_new_tokens=5))
     assert plain.tool_calls == [] and plain.finish_reason == "length"
+
+
+def test_a_reply_cut_inside_a_call_keeps_its_arguments_text():
+    """A call the token limit cut short has no whole JSON: the message keeps its text instead of raising."""
+    from decoderlm.tools.chat import Reply
+    from decoderlm.tools.parsers import ToolCall
+
+    message = Reply("", [ToolCall("a", "add", '{"a": 1}'), ToolCall("b", "add", '{"a')], "length").message()
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [{"a": 1}, '{"a']

@@ -75,6 +75,48 @@ def test_chat_does_not_run_tools_off_the_whitelist(tool_files, capsys):
     assert capsys.readouterr().out == 'tool call: get_weather({"city": "Paris"})\n(not run: get_weather is not in --run-tools)\n'
 
 
+def test_chat_with_tools_keeps_its_prompts_within_the_context(tool_files, capsys, monkeypatch):
+    """A long conversation with tools in a 450-token context: the oldest exchanges leave the prompt, which
+    always starts with the system prompt and the tools and leaves room for a reply (before, the prompt
+    grew past the context and `generate` slid its window over the template's start)."""
+    import decoderlm.cli.chat as chat_cli
+    import decoderlm.tools.chat as tools_chat
+
+    real_load, real_generate, prompts, toks = chat_cli.load_model, tools_chat.generate, [], []
+
+    def small_context(args):
+        model, tok = real_load(args)
+        model.config.max_seq_len = 450
+        toks.append(tok)
+        return model, tok
+
+    def recording(model, ids, params):
+        prompts.append(ids)
+        return real_generate(model, ids, params)
+
+    monkeypatch.setattr(chat_cli, "load_model", small_context)
+    monkeypatch.setattr(tools_chat, "generate", recording)
+    questions = "".join(f"What is the weather in city number {i}? Tell me everything about it, please.\n" for i in range(6))
+    monkeypatch.setattr("sys.stdin", io.StringIO(questions))
+    argv = [a for a in tool_files if a not in ("--message", "What is the weather in Paris?")]
+    assert cli.main([*argv, "--system", "Be brief.", "--run-tools", "cli22_tools:get_weather", "--tool-choice", "auto"]) == 0
+    head = min(len(p) for p in prompts) // 2
+    assert len(prompts) >= 6 and all(len(p) <= 450 - 24 for p in prompts)
+    assert all(p[:head] == prompts[0][:head] for p in prompts)  # the system prompt and the tools, never cut
+    first, last = toks[0].decode(prompts[0]), toks[0].decode(prompts[-1])
+    assert "city number 0" in first and "city number 0" not in last and "city number 5" in last
+    capsys.readouterr()
+
+
+def test_a_call_cut_by_the_token_limit_is_not_run(tool_files, capsys):
+    """18 tokens end the forced call inside its arguments (`{"city`): it is shown, not run, and the chat ends
+    in one line instead of a traceback."""
+    assert cli.main([*tool_files, "--run-tools", "cli22_tools:get_weather", "--max-new-tokens", "18"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tool call: get_weather({") and len(out) == 2
+    assert out[1] == "(not run: the reply reached --max-new-tokens (18) inside its call of get_weather; give a larger --max-new-tokens)"
+
+
 @pytest.mark.parametrize("spec, message", [("cli22_tools", "takes module:function entries"), ("no_such_module_22:f", "cannot import no_such_module_22"),
                                            ("cli22_tools:nope", "cli22_tools has no nope"), ("json:loads", "loads is not among the tools")])
 def test_chat_run_tools_refusals_are_one_line(tool_files, capsys, spec, message):

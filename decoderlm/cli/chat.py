@@ -125,18 +125,21 @@ def image_reply(args: argparse.Namespace, model, tok, system: list[Message], par
     return 0
 
 
-def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int) -> tuple[list[Message], list[int]]:
-    """Drop the oldest turns (never the system prompt or the newest message) until the prompt leaves
-    room for a reply of max_new_tokens (at most half the context). Returns (messages kept, prompt ids)."""
+def fit_context(tok, messages: list[Message], max_len: int, max_new_tokens: int,
+                tools: list[dict] | None = None) -> tuple[list[Message], list[int]]:
+    """Drop the oldest exchanges (a user message and every turn up to the next one: replies, tool calls,
+    their results), never the system prompt or the newest exchange, until the prompt (with `tools`'
+    definitions) leaves room for a reply of max_new_tokens (at most half the context). Returns (messages
+    kept, prompt ids)."""
     room = max_len - min(max_new_tokens, max_len // 2)
     while True:
         # The template writes BOS and other special tokens itself.
-        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools), add_special_tokens=False)
         first = 1 if messages and messages[0]["role"] == "system" else 0
-        if len(prompt) <= room or len(messages) - first <= 1:
+        later = next((i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), None)
+        if len(prompt) <= room or later is None:
             break
-        drop = 2 if len(messages) - first > 2 and messages[first + 1]["role"] == "assistant" else 1
-        messages = messages[:first] + messages[first + drop :]
+        messages = messages[:first] + messages[later:]
     if len(prompt) >= max_len:
         raise DecoderLMError(f"the message is {len(prompt)} tokens, but the model's context is {max_len}; send a shorter message")
     return messages, prompt
@@ -171,12 +174,19 @@ def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message],
         history.append({"role": "user", "content": line.rstrip("\n")})
         turn_choice = choice
         for _ in range(MAX_TOOL_ROUNDS):
+            history, _ = fit_context(tok, history, model.config.max_seq_len, params.max_new_tokens, tools)
             answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
             history.append(answer.message())
             if answer.content:
                 print(answer.content, flush=True)
             for call in answer.tool_calls:
                 print(f"tool call: {call.name}({call.arguments})", flush=True)
+            cut = [c.name for c in answer.tool_calls if isinstance(c.parsed_arguments(), str)]
+            if cut:  # the token limit ended the reply inside a call: nothing to run, and no call to remember
+                print(f"(not run: the reply reached --max-new-tokens ({params.max_new_tokens}) inside its call of {cut[0]}; "
+                      "give a larger --max-new-tokens)", flush=True)
+                history[-1] = {"role": "assistant", "content": answer.content}
+                break
             asked = [c.name for c in answer.tool_calls if c.name not in runners]
             if not answer.tool_calls or (args.message is not None and asked):
                 if asked and runners:

@@ -26,10 +26,11 @@ class Reply:
     finish_reason: str = "stop"  # "stop", "length" or "tool_calls"
 
     def message(self) -> dict:
-        """The assistant message to append to the conversation (a template reads its calls' arguments as objects)."""
+        """The assistant message to append to the conversation (a template reads its calls' arguments as
+        objects; a call cut short by the token limit keeps its text)."""
         out: dict = {"role": "assistant", "content": self.content}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.parsed_arguments()}}
                                  for c in self.tool_calls]
         return out
 

@@ -50,6 +50,13 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI's `function.arguments`
 
+    def parsed_arguments(self) -> dict | str:
+        """The arguments as JSON reads them; their text where it is not whole JSON (a call cut short)."""
+        try:
+            return json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return self.arguments
+
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
