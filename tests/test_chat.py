@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -107,6 +108,16 @@ def test_interactive_chat_via_stdin():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "(conversation reset)" in lines and len(lines) == 3 and all(lines)
+
+
+def test_interactive_chat_goes_on_after_a_message_longer_than_the_context(monkeypatch, capsys):
+    """One line on stderr names the problem; the conversation and the session go on (it ended with exit 2)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 9000 + "\nWhat is the capital of France?\n"))
+    assert cli.main(["chat", "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(r"error: the message is 90\d\d tokens, but the model's context is 8192; send a shorter message", errors[0])
+    assert out.startswith("The capital of France is") and out.count("\n") == 1
 
 
 def test_fit_context_drops_oldest_turns_keeps_system(smollm2):

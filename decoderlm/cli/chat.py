@@ -91,8 +91,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not text.strip():
             continue
-        history.append({"role": "user", "content": text})
-        history = reply(model, tok, history, params, decoding)
+        try:
+            history = reply(model, tok, history + [{"role": "user", "content": text}], params, decoding)
+        except DecoderLMError as e:  # e.g. a message longer than the context: say so, keep the conversation
+            print(f"error: {e}", file=sys.stderr, flush=True)
 
 
 def reply(model, tok, messages: list[Message], params: SamplingParams, decoding: Decoding | None = None) -> list[Message]:
