@@ -108,6 +108,15 @@ def test_chat_with_tools_keeps_its_prompts_within_the_context(tool_files, capsys
     capsys.readouterr()
 
 
+def test_interactive_tools_chat_goes_on_after_a_message_longer_than_the_context(tool_files, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 9000 + "\nWhat is the weather in Paris?\n"))
+    argv = [a for a in tool_files if a not in ("--message", "What is the weather in Paris?")]
+    assert cli.main([*argv, "--run-tools", "cli22_tools:get_weather"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if line.startswith("error:")][0].endswith("send a shorter message")
+    assert "result of get_weather: 21 C and sunny in Paris" in out
+
+
 def test_a_call_cut_by_the_token_limit_is_not_run(tool_files, capsys):
     """18 tokens end the forced call inside its arguments (`{"city`): it is shown, not run, and the chat ends
     in one line instead of a traceback."""

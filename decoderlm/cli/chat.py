@@ -151,7 +151,7 @@ def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message],
     """A conversation with tools: each reply's calls are printed as `name(arguments)`; a whitelisted
     tool (--run-tools) is run, any other's result is read from stdin (interactively), and the model
     answers again, for at most MAX_TOOL_ROUNDS rounds of calls per message."""
-    from decoderlm.tools.chat import chat, run_tool, tool_functions
+    from decoderlm.tools.chat import tool_functions
 
     try:
         tools = json.loads(Path(args.tools).read_text(encoding="utf-8"))
@@ -173,34 +173,48 @@ def chat_with_tools(args: argparse.Namespace, model, tok, system: list[Message],
     for line in lines:
         if not line.strip() or line.strip() == "/exit":
             break
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        turn_choice = choice
-        for _ in range(MAX_TOOL_ROUNDS):
-            history, _ = fit_context(tok, history, model.config.max_seq_len, params.max_new_tokens, tools)
-            answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
-            history.append(answer.message())
-            if answer.content:
-                print(answer.content, flush=True)
-            for call in answer.tool_calls:
-                print(f"tool call: {call.name}({call.arguments})", flush=True)
-            cut = [c.name for c in answer.tool_calls if isinstance(c.parsed_arguments(), str)]
-            if cut:  # the token limit ended the reply inside a call: nothing to run, and no call to remember
-                print(f"(not run: the reply reached --max-new-tokens ({params.max_new_tokens}) inside its call of {cut[0]}; "
-                      "give a larger --max-new-tokens)", flush=True)
-                history[-1] = {"role": "assistant", "content": answer.content}
-                break
-            asked = [c.name for c in answer.tool_calls if c.name not in runners]
-            if not answer.tool_calls or (args.message is not None and asked):
-                if asked and runners:
-                    print(f"(not run: {', '.join(asked)} is not in --run-tools)", flush=True)
-                break
-            for call in answer.tool_calls:
-                if call.name in runners:
-                    result = run_tool(runners[call.name], call)
-                    print(f"result of {call.name}: {result}", flush=True)
-                else:
-                    print(f"result of {call.name}> ", end="", flush=True)
-                    result = sys.stdin.readline().rstrip("\n")
-                history.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            turn_choice = "auto"  # after the results, the model may answer in words
+        try:
+            history = tool_exchange(model, tok, history + [{"role": "user", "content": line.rstrip("\n")}], tools, choice, runners,
+                                    params, asks=args.message is None)
+        except DecoderLMError as e:  # interactively, e.g. a message longer than the context: say so, keep the conversation
+            if args.message is not None:
+                raise
+            print(f"error: {e}", file=sys.stderr, flush=True)
     return 0
+
+
+def tool_exchange(model, tok, history: list[Message], tools: list[dict], choice: str | dict, runners: dict,
+                  params: SamplingParams, asks: bool) -> list[Message]:
+    """The model's answers to the newest message, for at most MAX_TOOL_ROUNDS rounds of calls: each call
+    printed, run if whitelisted (`runners`), else its result read from stdin where the chat `asks`."""
+    from decoderlm.tools.chat import chat, run_tool
+
+    turn_choice = choice
+    for _ in range(MAX_TOOL_ROUNDS):
+        history, _ = fit_context(tok, history, model.config.max_seq_len, params.max_new_tokens, tools)
+        answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
+        history = history + [answer.message()]
+        if answer.content:
+            print(answer.content, flush=True)
+        for call in answer.tool_calls:
+            print(f"tool call: {call.name}({call.arguments})", flush=True)
+        cut = [c.name for c in answer.tool_calls if isinstance(c.parsed_arguments(), str)]
+        if cut:  # the token limit ended the reply inside a call: nothing to run, and no call to remember
+            print(f"(not run: the reply reached --max-new-tokens ({params.max_new_tokens}) inside its call of {cut[0]}; "
+                  "give a larger --max-new-tokens)", flush=True)
+            return history[:-1] + [{"role": "assistant", "content": answer.content}]
+        asked = [c.name for c in answer.tool_calls if c.name not in runners]
+        if not answer.tool_calls or (not asks and asked):
+            if asked and runners:
+                print(f"(not run: {', '.join(asked)} is not in --run-tools)", flush=True)
+            return history
+        for call in answer.tool_calls:
+            if call.name in runners:
+                result = run_tool(runners[call.name], call)
+                print(f"result of {call.name}: {result}", flush=True)
+            else:
+                print(f"result of {call.name}> ", end="", flush=True)
+                result = sys.stdin.readline().rstrip("\n")
+            history = history + [{"role": "tool", "tool_call_id": call.id, "content": result}]
+        turn_choice = "auto"  # after the results, the model may answer in words
+    return history
