@@ -112,6 +112,14 @@ def test_library_chat_returns_parsed_calls(tiny):
     assert plain.tool_calls == [] and plain.finish_reason == "length"
 
 
+def test_a_conversation_longer_than_the_context_is_refused_in_one_line(tiny):
+    from decoderlm.tools.chat import chat
+
+    model, tok, _ = tiny
+    with pytest.raises(DecoderLMError, match=rf"^the conversation is \d+ tokens, but the model's context is {model.config.max_seq_len}; drop"):
+        chat(model, tok, [{"role": "user", "content": "word " * model.config.max_seq_len}], tools=TOOLS)
+
+
 def test_a_reply_cut_inside_a_call_keeps_its_arguments_text():
     """A call the token limit cut short has no whole JSON: the message keeps its text instead of raising."""
     from decoderlm.tools.chat import Reply

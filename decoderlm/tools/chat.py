@@ -53,8 +53,11 @@ def chat(model, tokenizer, messages: list[dict], tools: list[dict] | None = None
                else json_schema_grammar(json_schema) if json_schema is not None else None)
     processors = list(params.logits_processors) + ([Grammars(tokenizer).processor(grammar)] if grammar else [])
     params = replace(params, stop_token_ids=params.stop_token_ids or list(tokenizer.eos_token_ids), logits_processors=processors)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    out = generate(model, tokenizer.encode(text, add_special_tokens=False), params)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools), add_special_tokens=False)
+    if len(ids) >= model.config.max_seq_len:  # `generate` would slide its window over the template's start
+        raise DecoderLMError(f"the conversation is {len(ids)} tokens, but the model's context is {model.config.max_seq_len}; "
+                             "drop its oldest turns (as `decoderlm.cli.chat.fit_context` does) or shorten them")
+    out = generate(model, ids, params)
     answer = tokenizer.decode(out)
     finish = "length" if len(out) >= params.max_new_tokens else "stop"
     if not tools:
