@@ -35,11 +35,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/block_kernels.py
 	$(PY) benchmarks/serve_step.py
 
+# The tests run in one process per core (pytest-xdist; each test's torch keeps one thread), at most 4.
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n auto --maxprocesses 4
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4
 
 clean:
 	rm -rf $(VENV) runs
