@@ -320,12 +320,13 @@ AMX = pytest.mark.skipif(not kernels.amx(), reason="this CPU has no AMX tiles (o
 
 
 @AMX
-@pytest.mark.parametrize("rows, blocks, outputs", [(32, 18, 45), (70, 19, 3000), (40, 1, 16), (97, 50, 6), (130, 18, 197)])
+@pytest.mark.parametrize("rows, blocks, outputs", [(32, 18, 45), (70, 19, 3000), (40, 1, 16), (33, 2, 17), (48, 3, 16), (97, 50, 6), (130, 18, 197)])
 @pytest.mark.parametrize("kind", QTYPES)
 def test_amx_tiles_give_the_batches_bits(kind, rows, blocks, outputs):
     """Batches of 32 rows or more on AMX tiles, int16 x in two int8 digits (qdot.c's `amx_*`), bit for bit the
     written-out arithmetic and the same call without tiles: partial groups of 16 rows (40, 70, 97, 130), partial
-    tiles of 16 outputs (45, 6, 197), one block, and chains of odd and even lengths (18, 19, 50 blocks)."""
+    tiles of 16 outputs (45, 17, 6, 197), one to three blocks (chains with no block), and chains of odd and even
+    lengths (18, 19, 50 blocks)."""
     torch.manual_seed(rows)
     b = file_blocks(torch.randn(outputs, 32 * blocks) * 0.05, kind)
     layer = q.BlockLinear.from_blocks(b)

@@ -820,14 +820,23 @@ static void tiles_q8(const int8_t *q, const half *d, const half *m, int64_t K, i
     LOAD_TILE(w, TILE_OF_##KIND(b)); _tile_loadd(6, xb, 64); _tile_loadd(7, xb + 512, 64);                \
     AMX_DOT_##KIND(c, w, 6); AMX_DOT_##KIND(c1, w, 7);                                                    \
 }
-/* The float step of block b's sums (s + 512·i: every output's row of 16 rows) into the chains A. */
+#define AMX_STORE(c, c1, i) { _tile_stored(c, s + 512 * (i), 64); _tile_stored(c1, s + 512 * (i) + 256, 64); }
+/* The float step of block b's sums (s + 512·i: every output's row of 16 rows) into its chain A; the first block
+ * of a chain (b < 4) starts it, the last folds it into the chains' sums P (chain 0 then 2 into P[0], 1 then 3
+ * into P[1]). */
 #define AMX_STEP(KIND, i, b) {                                                                            \
     const vf dx = loadf(dxt + (g * B + (b)) * 16), sx = loadf(sxt + (g * B + (b)) * 16);                  \
-    for (int n = 0; n < 16; n++) {                                                                        \
+    if ((b) < 4) for (int n = 0; n < 16; n++) A[n] = (vf){0};                                             \
+    _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) {                                               \
         const vi hi = (vi)_mm512_load_si512(s + 512 * (i) + 16 * n), S = (hi << 8) - hi + (vi)_mm512_load_si512(s + 512 * (i) + 256 + 16 * n); \
         A[n] = fmadd(dw[16 * (b) + n] * dx, tofloat(S), A[n]);                                            \
         if (Q4_##KIND) A[n] = fmadd((vf){0} + mw[16 * (b) + n], sx, A[n]);                                \
     }                                                                                                     \
+    if ((b) + 4 >= B) fold(P[(b) & 1], A, (b) & 2);                                                       \
+}
+/* Chain j's sum A into P: the first of its pair (j < 2) sets P, the second adds to it. */
+static inline void fold(vf *P, const vf *A, int second) {
+    for (int n = 0; n < 16; n++) P[n] = second ? P[n] + A[n] : A[n];
 }
 #define AMX_BATCH(KIND, T)                                                                                \
 static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const void *q, const half *d, \
@@ -835,6 +844,9 @@ static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const vo
     const int64_t B = K / 32, groups = (M + 15) / 16, tiles = (N + 15) / 16;                              \
     int8_t *xt = aligned_alloc(64, (size_t)(groups * B) * 1024);                                          \
     float *dxt = aligned_alloc(64, (size_t)(groups * B) * 64), *sxt = aligned_alloc(64, (size_t)(groups * B) * 64); \
+    int64_t *order = malloc(B * sizeof *order);  /* blocks chain by chain: 0, 4, 8, …, 2, 6, …, 1, 5, …, 3, 7, … */ \
+    for (int64_t j = 0, i = 0; j < 4; j++)                                                                \
+        for (int64_t b = 2 * (j & 1) + (j >> 1); b < B; b += 4) order[i++] = b;                           \
     if (M % 16) {  /* the last group's rows past M: 0 */                                                  \
         memset(xt + (groups - 1) * B * 1024, 0, (size_t)B * 1024);                                        \
         memset(dxt + (groups - 1) * B * 16, 0, (size_t)B * 64), memset(sxt + (groups - 1) * B * 16, 0, (size_t)B * 64); \
@@ -854,25 +866,22 @@ static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const vo
             const int nrc = N - n0 < 16 ? (int)(N - n0) : 16;                                             \
             tiles_##KIND((const T *)q, d, m, K, n0, nrc, wt, dw, mw);                                     \
             for (int64_t g = 0; g < groups; g++) {                                                        \
-                vf part[2][16], A[16];                                                                    \
-                for (int c = 0; c < 4; c++) {                                                             \
-                    const int j = 2 * (c & 1) + (c >> 1);  /* chains 0, 2, 1, 3 */                        \
-                    for (int n = 0; n < 16; n++) A[n] = (vf){0};                                          \
-                    int64_t b = j;                                                                        \
-                    for (; b + 4 < B; b += 8) {  /* two blocks of the chain: the second's products overlap the first's step */ \
-                        AMX_BLOCK(KIND, 4, 0, 1, b) AMX_BLOCK(KIND, 5, 2, 3, b + 4)                       \
-                        _tile_stored(0, s, 64); _tile_stored(1, s + 256, 64);                             \
-                        _tile_stored(2, s + 512, 64); _tile_stored(3, s + 768, 64);                       \
-                        AMX_STEP(KIND, 0, b) AMX_STEP(KIND, 1, b + 4)                                     \
-                    }                                                                                     \
-                    if (b < B) {                                                                          \
-                        AMX_BLOCK(KIND, 4, 0, 1, b)                                                       \
-                        _tile_stored(0, s, 64); _tile_stored(1, s + 256, 64);                             \
-                        AMX_STEP(KIND, 0, b)                                                              \
-                    }                                                                                     \
-                    for (int n = 0; n < 16; n++) part[c >> 1][n] = c & 1 ? part[c >> 1][n] + A[n] : A[n]; \
+                vf A[16], P[2][16];                                                                       \
+                /* Software-pipelined: the tiles multiply the next block while the vectors step this one. */ \
+                AMX_BLOCK(KIND, 4, 0, 1, order[0]) AMX_STORE(0, 1, 0)                                     \
+                for (int64_t i = 0; i < B; i += 2) {                                                      \
+                    if (i + 1 < B) AMX_BLOCK(KIND, 5, 2, 3, order[i + 1])                                 \
+                    AMX_STEP(KIND, 0, order[i])                                                           \
+                    if (i + 1 < B) AMX_STORE(2, 3, 1)                                                     \
+                    if (i + 2 < B) AMX_BLOCK(KIND, 4, 0, 1, order[i + 2])                                 \
+                    if (i + 1 < B) AMX_STEP(KIND, 1, order[i + 1])                                        \
+                    if (i + 2 < B) AMX_STORE(0, 1, 0)                                                     \
                 }                                                                                         \
-                for (int n = 0; n < 16; n++) storef(out[n], part[0][n] + part[1][n]);                     \
+                for (int64_t j = B; j < 4; j++) {  /* chains with no block (B < 4) fold zeros */          \
+                    for (int n = 0; n < 16; n++) A[n] = (vf){0};                                          \
+                    fold(P[j & 1], A, j & 2);                                                             \
+                }                                                                                         \
+                for (int n = 0; n < 16; n++) storef(out[n], P[0][n] + P[1][n]);                           \
                 for (int64_t r = 16 * g; r < M && r < 16 * g + 16; r++)                                   \
                     for (int n = 0; n < nrc; n++) y[r * N + n0 + n] = out[n][r - 16 * g];                 \
             }                                                                                             \
@@ -880,7 +889,7 @@ static void CAT(amx_##KIND, NAME)(const float *x, int64_t M, int64_t K, const vo
         _tile_release();                                                                                  \
         free(wt), free(dw), free(mw), free(s);                                                            \
     }                                                                                                     \
-    free(xt), free(dxt), free(sxt);                                                                       \
+    free(xt), free(dxt), free(sxt), free(order);                                                          \
 }
 AMX_BATCH(q4, uint8_t)
 AMX_BATCH(q8, int8_t)
