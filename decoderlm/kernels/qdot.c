@@ -736,11 +736,11 @@ BATCH(q8, widen_q8, int8_t)
 #ifdef __AMX_INT8__
 /* Batches on AMX (Intel's tile unit): `tdpbusd` multiplies 16 outputs' weights (a block's 32, as bytes) by the
  * same 32 inputs of 16 rows of x (int8) and sums each (output, row) in int32 exactly, 8192 products an
- * instruction. Each block of 16 outputs × 16 rows takes two such products, one per digit of x (qx = 255·hi +
- * lo, as for one row above), into two int32 tiles; their S = 255·S_hi + S_lo then takes the float step of
- * every other path, in its order (chains by block mod 4, (A0 + A2) + (A1 + A3)), with rows in a vector's
- * lanes. Same S, same steps: the same bits as without tiles. Linux lends a process the tiles when asked
- * (`amx_tiles`). */
+ * instruction. Each block of 16 outputs × 16 rows takes two such products, one per digit of x (qx = 256·hi +
+ * lo, lo in -128..127: a shift joins them, where the vector kernels' digits are 255·hi + lo), into two int32
+ * tiles; their S = 256·S_hi + S_lo then takes the float step of every other path, in its order (chains by
+ * block mod 4, (A0 + A2) + (A1 + A3)), with rows in a vector's lanes. Same S, same steps: the same bits as
+ * without tiles. Linux lends a process the tiles when asked (`amx_tiles`). */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define MA 32  /* fewer rows: the vector kernels are as fast (16 rows) or faster (8; docs/performance.md) */
@@ -775,9 +775,9 @@ static void digits_block(const float *x, int64_t M, int64_t K, int64_t b, int8_t
         const float dx = round_block(x + r * K + 32 * b, v, &total);
         const int64_t at = (r / 16 * B + b) * 16, l = r % 16;
         for (int h = 0; h < 2; h++) {  /* inputs 16h..16h+15: four dwords of each digit, 64 bytes apart */
-            const vi q = (vi)_mm512_loadu_si512(v + 16 * h), hi = high_digit(q);
+            const vi q = (vi)_mm512_loadu_si512(v + 16 * h), hi = (q + 128) >> 8;  /* q = 256·hi + lo, lo in -128..127 */
             int32_t dh[4], dl[4];
-            _mm_storeu_si128((__m128i *)dh, _mm512_cvtepi32_epi8((__m512i)hi)), _mm_storeu_si128((__m128i *)dl, _mm512_cvtepi32_epi8((__m512i)(q - 255 * hi)));
+            _mm_storeu_si128((__m128i *)dh, _mm512_cvtepi32_epi8((__m512i)hi)), _mm_storeu_si128((__m128i *)dl, _mm512_cvtepi32_epi8((__m512i)(q - (hi << 8))));
             for (int i = 0; i < 4; i++)
                 memcpy(xt + at * 64 + 64 * (4 * h + i) + 4 * l, dh + i, 4), memcpy(xt + at * 64 + 512 + 64 * (4 * h + i) + 4 * l, dl + i, 4);
         }
@@ -828,7 +828,7 @@ static void tiles_q8(const int8_t *q, const half *d, const half *m, int64_t K, i
     const vf dx = loadf(dxt + (g * B + (b)) * 16), sx = loadf(sxt + (g * B + (b)) * 16);                  \
     if ((b) < 4) for (int n = 0; n < 16; n++) A[n] = (vf){0};                                             \
     _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) {                                               \
-        const vi hi = (vi)_mm512_load_si512(s + 512 * (i) + 16 * n), S = (hi << 8) - hi + (vi)_mm512_load_si512(s + 512 * (i) + 256 + 16 * n); \
+        const vi hi = (vi)_mm512_load_si512(s + 512 * (i) + 16 * n), S = (hi << 8) + (vi)_mm512_load_si512(s + 512 * (i) + 256 + 16 * n); \
         A[n] = fmadd(dw[16 * (b) + n] * dx, tofloat(S), A[n]);                                            \
         if (Q4_##KIND) A[n] = fmadd((vf){0} + mw[16 * (b) + n], sx, A[n]);                                \
     }                                                                                                     \
