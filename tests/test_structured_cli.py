@@ -127,6 +127,15 @@ def test_a_call_cut_by_the_token_limit_is_not_run(tool_files, capsys):
     assert out[1] == "(not run: the reply reached --max-new-tokens (18) inside its call of get_weather; give a larger --max-new-tokens)"
 
 
+def test_a_reply_cut_before_its_calls_name_says_so_in_one_line(tool_files, capsys):
+    """9 tokens end the forced call before its name is whole: no raw `<tool_call>{...` as the answer, but one
+    line that says what happened and what to give."""
+    assert cli.main([*tool_files, "--max-new-tokens", "9"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("(the reply reached --max-new-tokens (9) as it began a tool call, '<tool_call>")
+    assert out[0].endswith("'; give a larger --max-new-tokens)")
+
+
 @pytest.mark.parametrize("spec, message", [("cli22_tools", "takes module:function entries"), ("no_such_module_22:f", "cannot import no_such_module_22"),
                                            ("cli22_tools:nope", "cli22_tools has no nope"), ("json:loads", "loads is not among the tools")])
 def test_chat_run_tools_refusals_are_one_line(tool_files, capsys, spec, message):

@@ -111,3 +111,24 @@ def test_parser_from_template():
     assert parser_name_for("<|start_header_id|>ipython<|end_header_id|>") == "llama3"
     assert parser_name_for("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
     assert parser_name_for("<|im_start|>{{ message['role'] }}") == "generic"
+
+
+@pytest.mark.parametrize("fmt, said, call", [
+    ("hermes", "Sure.\n", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'),
+    ("llama3", "", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ("mistral", "", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+])
+def test_an_answer_ending_before_a_calls_name_says_where_the_call_began(fmt, said, call):
+    """Cut anywhere before the call's header is whole (the token limit), the answer has no call, its text is
+    content, and `unfinished` is that call's text, so a chat can tell it apart from words; whole answers and
+    prose leave it empty."""
+    header_end = call.index('"', call.index('"get_weather"') + len('"get_weather"') + 1)  # inside the arguments key
+    for i in range(1, header_end):
+        reader = get_parser(fmt)
+        content, calls = reader.parse(said + call[:i])
+        assert not calls and content == said + call[:i]
+        assert reader.unfinished == call[:i] and content.removesuffix(reader.unfinished).rstrip() == said.strip()
+    for text in (said + call, "Hello there.", "Use the <tool_call> tag."):
+        reader = get_parser(fmt)
+        reader.parse(text)
+        assert reader.unfinished == ""

@@ -193,6 +193,11 @@ def tool_exchange(model, tok, history: list[Message], tools: list[dict], choice:
     for _ in range(MAX_TOOL_ROUNDS):
         history, _ = fit_context(tok, history, model.config.max_seq_len, params.max_new_tokens, tools)
         answer = chat(model, tok, history, tools=tools, tool_choice=turn_choice, params=params)
+        if answer.unfinished_call:  # cut before the call's name: words, if any, and no call
+            said = answer.content.removesuffix(answer.unfinished_call).rstrip()
+            print(*[said] if said else [], f"(the reply reached --max-new-tokens ({params.max_new_tokens}) as it began a tool call, "
+                  f"{answer.unfinished_call!r}; give a larger --max-new-tokens)", sep="\n", flush=True)
+            return history + [{"role": "assistant", "content": said}]
         history = history + [answer.message()]
         if answer.content:
             print(answer.content, flush=True)

@@ -24,6 +24,7 @@ class Reply:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str = "stop"  # "stop", "length" or "tool_calls"
+    unfinished_call: str = ""  # the token limit ended the reply in a call before its name: its text, the end of `content`
 
     def message(self) -> dict:
         """The assistant message to append to the conversation (a template reads its calls' arguments as
@@ -62,9 +63,10 @@ def chat(model, tokenizer, messages: list[dict], tools: list[dict] | None = None
     finish = "length" if len(out) >= params.max_new_tokens else "stop"
     if not tools:
         return Reply(answer, [], finish)
-    content, calls = get_parser(parser).parse(answer)
+    reader = get_parser(parser)
+    content, calls = reader.parse(answer)
     calls = calls if parallel_tool_calls else calls[:1]
-    return Reply(content, calls, "tool_calls" if calls and finish == "stop" else finish)
+    return Reply(content, calls, "tool_calls" if calls and finish == "stop" else finish, reader.unfinished if finish == "length" else "")
 
 
 def tool_functions(spec: str) -> dict[str, Callable]:

@@ -198,6 +198,7 @@ class ToolParser:
         self.out = ParsedDelta()
         self.value = _Value()  # the arguments' JSON value, then the rest of the call object
         self.named = False  # the call in progress is `name[ARGS]{...}`: it ends with its arguments
+        self.unfinished = ""  # the answer ended in a call before its name was read: that call's text (also content)
 
     def push(self, text: str) -> ParsedDelta:
         for ch in text:
@@ -209,8 +210,10 @@ class ToolParser:
         """The end of the answer: a call in progress ends; held text that never became a call is content."""
         if self.state in ("list", "header", "raw", "named"):
             if not (self.fmt.close_tag and self._whole_call(self.held[self.body_start :])):
+                self.unfinished = self.held
                 self._revert()
         elif self.state == "text":
+            self.unfinished = self.held  # the start of a trigger, if anything
             self._release(self.held)
         if not self.calls:
             self._emit(self.space)
