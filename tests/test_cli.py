@@ -65,6 +65,24 @@ def test_generate_streams_a_continuation(run_dir, capsys):
     assert capsys.readouterr().out.startswith("First")
 
 
+def test_generate_stops_where_a_stop_text_first_appears(run_dir, capsys):
+    """--stop cuts the seeded continuation before the first place any stop text completes (the stop itself
+    not printed), whichever stop it is; --stop with --prompt-ids, or an empty one, is one line, exit 2."""
+    args = ["generate", "--model", str(run_dir), "--prompt", "First", "--max-new-tokens", "40", "--seed", "0"]
+    assert main(args) == 0
+    text = capsys.readouterr().out[len("First"):-1]
+    late, early = text[30:32], text[12:14]
+    for stops in ([late], [late, early]):
+        cut = min(text.index(s) for s in stops)
+        assert main([*args, *(f for s in stops for f in ("--stop", s))]) == 0
+        assert capsys.readouterr().out == "First" + text[:cut] + "\n"
+    for extra, message in ((["--prompt-ids", "1,2", "--stop", "x"], "give --prompt instead"), (["--stop", ""], "give the text to stop at")):
+        argv = [*args, *extra] if extra[0] == "--stop" else ["generate", "--model", str(run_dir), *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
 def test_info_is_the_short_view_of_inspect(run_dir, capsys):
     model, _ = load(run_dir)
     assert main(["info", str(run_dir)]) == 0

@@ -32,7 +32,7 @@ from decoderlm.generate import generate
 from decoderlm.sampling import SamplingParams
 from decoderlm.serve import Engine
 from decoderlm.serve.api import create_app, server_config, until_disconnect
-from decoderlm.serve.text import StopMatcher
+from decoderlm.tokenizer import StopMatcher
 
 KEY = "test-key"
 PROMPT = "The quick brown fox jumps"

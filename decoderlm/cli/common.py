@@ -17,7 +17,7 @@ from decoderlm.loader import DTYPES, KV_CACHE, load, resolve_device
 from decoderlm.model import Transformer
 from decoderlm.quantize import ACTIVATIONS, MODES
 from decoderlm.sampling import SamplingParams
-from decoderlm.tokenizer import StreamDecoder, Tokenizer
+from decoderlm.tokenizer import StopMatcher, StreamDecoder, Tokenizer
 
 MODEL_HELP = "run folder, HF folder, .gguf file or known name"
 SEED_HELP = "seed for every random choice, for reproducible runs (default: unseeded, different each run)"
@@ -173,17 +173,20 @@ def sampling_params(args: argparse.Namespace, defaults: dict | None = None, stop
     return SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=list(stop_token_ids or []), **values)
 
 
-def print_stream(tokenizer, tokens: Iterator[int], prompt_ids: Sequence[int] = ()) -> str:
+def print_stream(tokenizer, tokens: Iterator[int], prompt_ids: Sequence[int] = (), stops: Sequence[str] = ()) -> str:
     """Print text as tokens arrive (never half a character; decoded after the prompt, so the first
-    word keeps its space); return the whole text."""
-    decoder, parts = StreamDecoder(tokenizer, prompt_ids), []
+    word keeps its space), up to the first of `stops` (not printed; no token is asked for after it);
+    return the whole text."""
+    decoder, matcher, parts = StreamDecoder(tokenizer, prompt_ids), StopMatcher(list(stops)), []
     for tok in tokens:
-        piece = decoder.push(tok)
+        piece = matcher.push(decoder.push(tok))
         if piece:
             parts.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
-    tail = decoder.flush()
+        if matcher.stopped:
+            break
+    tail = "" if matcher.stopped else matcher.push(decoder.flush()) + matcher.flush()
     parts.append(tail)
     sys.stdout.write(tail + "\n")
     sys.stdout.flush()

@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", help="the text to continue")
     p.add_argument("--prompt-ids", metavar="IDS", help="token ids to continue instead of text, comma-separated (e.g. 1,2,3); "
                                                        "prints the generated ids the same way. Needs no tokenizer files")
+    p.add_argument("--stop", metavar="TEXT", action="append", default=[],
+                   help="end the continuation where TEXT first appears (not printed); repeatable, as OpenAI's `stop`")
     g = p.add_argument_group("structured output (a grammar masks every token that would leave it; not with speculative decoding)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA_JSON", help="a JSON schema file: the continuation is compact JSON valid under it "
@@ -157,6 +159,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DecoderLMError("give one of --prompt (text) and --prompt-ids (token ids, e.g. 1,2,3)")
     ids = None if args.prompt_ids is None else parse_ids(args.prompt_ids)
+    if args.stop and ids is not None:
+        raise DecoderLMError("--stop matches text, and --prompt-ids prints ids; give --prompt instead")
+    if "" in args.stop:
+        raise DecoderLMError("--stop '' would match before the first token; give the text to stop at")
     grammar = grammar_from_args(args)
     model, tok = load_model(args, text=ids is None)
     decoding = decoding_from_args(args, model, tok)
@@ -182,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = tok.encode(args.prompt)
         tokens = decoding.stream(prompt, params)  # raises on a bad prompt before anything is printed
         print(args.prompt, end="", flush=True)
-        print_stream(tok, tokens, prompt)
+        print_stream(tok, tokens, prompt, args.stop)
     decoding.report()
     return 0
 

@@ -1,8 +1,5 @@
-"""From an engine's token stream to the text a client sees: detokenize, cut at stop strings.
-
-A stop string can arrive split across tokens ("Obs" + "erver:"), so text that could still be the
-start of one is held back until the next token settles it; the stop string itself is never emitted.
-"""
+"""From an engine's token stream to the text a client sees: detokenize, cut at stop strings
+(`decoderlm.tokenizer.StopMatcher`)."""
 
 from __future__ import annotations
 
@@ -10,35 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from decoderlm.tokenizer import StreamDecoder
-
-
-class StopMatcher:
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""  # text received but not yet released
-        self.stopped = False
-
-    def push(self, text: str) -> str:
-        """Add text; return what can be released now. Generation stops where a stop string is first
-        completed: `stopped` is set and everything from that stop string on is dropped."""
-        if self.stopped:
-            return ""
-        for ch in text:  # character by character, so where generation stops never depends on how text was split
-            self.pending += ch
-            starts = [len(self.pending) - len(s) for s in self.stops if self.pending.endswith(s)]
-            if starts:  # the first stop string to complete; of those ending here, the longest
-                self.stopped = True
-                out, self.pending = self.pending[: min(starts)], ""
-                return out
-        keep = max((k for s in self.stops for k in range(1, min(len(s), len(self.pending) + 1)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
-        return out
-
-    def flush(self) -> str:
-        """At the end of generation the held-back text is not a stop string after all."""
-        out, self.pending = ("" if self.stopped else self.pending), ""
-        return out
+from decoderlm.tokenizer import StopMatcher, StreamDecoder
 
 
 @dataclass

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from decoderlm.tokenizer.char import CharTokenizer
 from decoderlm.tokenizer.protocol import Tokenizer
-from decoderlm.tokenizer.streaming import StreamDecoder
+from decoderlm.tokenizer.streaming import StopMatcher, StreamDecoder
 
-__all__ = ["CharTokenizer", "StreamDecoder", "Tokenizer"]
+__all__ = ["CharTokenizer", "StopMatcher", "StreamDecoder", "Tokenizer"]
