@@ -245,19 +245,31 @@ class StaticKVCache:
             raise DecoderLMError("StaticKVCache holds rows of equal length; use KVCache for padded batches")
         return (self.pos + torch.arange(T, device=self.pos.device))[None]  # (1, T)
 
-    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def mask(self, T: int, attention_mask: torch.Tensor | None, window: int | None, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor | None:
+        """(1, 1, T, L) over every slot; for an eager prompt from slot 0, over its own T slots only (None
+        without a window: SDPA's causal attention, which skips the masked half), as `update` returns them."""
+        positions = self.positions(T, attention_mask, device)
+        if self.prompt_from_start():
+            return None if window is None else build_mask(positions, positions, window, dtype)  # (1, 1, T, T)
         slots = torch.arange(self.max_len, device=self.pos.device)[None]  # (1, L): slot s holds position s
-        return build_mask(self.positions(T, attention_mask, device), slots, window, dtype)  # (1, 1, T, L)
+        return build_mask(positions, slots, window, dtype)  # (1, 1, T, L)
+
+    def prompt_from_start(self) -> bool:
+        """An eager forward from slot 0 (a prompt), which needs no slot past its own: not a compiled step."""
+        return not torch.compiler.is_compiling() and self.length == 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the whole buffers (B, Hkv, L, D)."""
+        """Write new k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the whole buffers (B, Hkv, L, D), or
+        for a prompt from slot 0 its T slots (B, Hkv, T, D)."""
         T = k.shape[2]
         if not torch.compiler.is_compiling() and self.length + T > self.max_len:  # a compiled step is checked by its caller
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + T}")
         slots = self.pos + torch.arange(T, device=self.pos.device)  # (T,)
         self.k[layer].index_copy_(2, slots, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, slots, v.to(self.v[layer].dtype))
-        return self.k[layer].to(k.dtype), self.v[layer].to(v.dtype)
+        end = T if self.prompt_from_start() else self.max_len
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
 
     def advance(self, n: int) -> None:
         self.pos.add_(n)

@@ -40,6 +40,21 @@ def test_static_cache_matches_kv_cache_step_by_step(cfg, prompt_len, steps, seed
         torch.testing.assert_close(static.v[layer][:, :, : plain.length], plain.v[layer][:, :, : plain.length])
 
 
+def test_a_prompt_into_an_empty_static_cache_attends_over_its_own_slots():
+    """From slot 0 an eager prompt needs no mask over the cache's spare slots: SDPA's causal attention over its
+    T keys (4x fewer scores at 512 of 1,024 slots, the masked half skipped); with a window, a (T, T) mask.
+    Later forwards (a step) see every slot, as the compiled step does. Equal values: the hypothesis test above."""
+    model = tiny_model()
+    cache, (B, T) = StaticKVCache(model.config, 1, 16), (1, 5)
+    k = torch.randn(B, model.config.n_kv_heads, T, model.config.head_dim)
+    assert cache.mask(T, None, None, torch.float32, "cpu") is None
+    assert cache.mask(T, None, 3, torch.float32, "cpu").shape == (1, 1, T, T)
+    assert cache.update(0, k, k)[0].shape[2] == T
+    cache.advance(T)
+    assert cache.mask(1, None, None, torch.float32, "cpu").shape == (1, 1, 1, 16)
+    assert cache.update(0, k[:, :, :1], k[:, :, :1])[0].shape[2] == 16
+
+
 def test_static_cache_refuses_to_overflow():
     model = tiny_model()
     cache = StaticKVCache(model.config, 1, 4)
