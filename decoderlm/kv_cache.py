@@ -263,12 +263,13 @@ class StaticKVCache:
         """Write new k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the whole buffers (B, Hkv, L, D), or
         for a prompt from slot 0 its T slots (B, Hkv, T, D)."""
         T = k.shape[2]
-        if not torch.compiler.is_compiling() and self.length + T > self.max_len:  # a compiled step is checked by its caller
-            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {self.length + T}")
+        filled = None if torch.compiler.is_compiling() else self.length  # a compiled step is checked by its caller
+        if filled is not None and filled + T > self.max_len:
+            raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {filled + T}")
         slots = self.pos + torch.arange(T, device=self.pos.device)  # (T,)
         self.k[layer].index_copy_(2, slots, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, slots, v.to(self.v[layer].dtype))
-        end = T if self.prompt_from_start() else self.max_len
+        end = T if filled == 0 else self.max_len  # as prompt_from_start()
         return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
 
     def advance(self, n: int) -> None:
