@@ -448,7 +448,9 @@ static inline vi dot4(const vi t[4], const vi *x) {
     for (int k = 1; k < 4; k++) s = _mm512_dpwssd_epi32(s, (__m512i)t[k], (__m512i)x[k]);
     return (vi)s;
 #else
-    return (madd(t[0], x[0]) + madd(t[1], x[1])) + (madd(t[2], x[2]) + madd(t[3], x[3]));
+    vi s = madd(t[0], x[0]);
+    for (int k = 1; k < 4; k++) s += madd(t[k], x[k]);
+    return s;
 #endif
 }
 static inline void pairs_q4(const wquad *w, int i, vi t[4]) {  /* nibbles 0..15 */
