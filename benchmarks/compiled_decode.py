@@ -6,7 +6,10 @@ SmolLM2-135M-Instruct, the same prompt as generate_speed.py, greedy. For each mo
 in turn. Reports the build/load time apart from decode speed.
 
     python benchmarks/compiled_decode.py [--modes int4 fp32] [--repeats 3] [--new-tokens 128] [--threads 2]
-        [--isa native|avx2|avx512|default] [--quick]
+        [--prompt-tokens 128] [--isa native|avx2|avx512|default] [--quick]
+
+A long --prompt-tokens (e.g. 1800) measures decoding late in a long chat, where attention reads thousands of
+keys a step (the compiled step's cache size is then 2,048).
 
 int4 and int8 run on decoderlm's block kernels, which the compiled step calls as C++ operators
 (decoderlm/kernels/ops.cpp). `--isa avx2` measures as an AVX2 machine would (`decoderlm.isa.env`, as
@@ -64,7 +67,7 @@ def main() -> None:
             run(args, tiny_gguf(Path(tmp) / "tiny.gguf"), "tiny random (--quick)", None)
         else:
             gguf = locate(DEFAULT_MODEL)
-            run(args, gguf, DEFAULT_MODEL, llamacpp_engine(gguf, args.threads))
+            run(args, gguf, DEFAULT_MODEL, llamacpp_engine(gguf, args.threads, max(1024, args.prompt_tokens + args.new_tokens)))
 
 
 def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | None) -> None:
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace, gguf: Path, model_name: str, llama: Engine | N
     rows: dict[str, dict] = {}
     for mode in args.modes:
         model, tokenizer = load(gguf, **MODES[mode])
-        ids = tokenizer.encode(TEXT, add_special_tokens=False)[: args.prompt_tokens]
+        ids = tokenizer.encode(TEXT * (1 + args.prompt_tokens // 400), add_special_tokens=False)[: args.prompt_tokens]  # TEXT: ~600 tokens
 
         def decode(step: compiled.CompiledDecoder | None = None) -> tuple[float, list[int]]:
             _, rest, out = timed(stream(model, ids, SamplingParams(temperature=0, max_new_tokens=args.new_tokens), step=step))

@@ -179,12 +179,12 @@ def transformers_engine(gguf: Path, dtype: torch.dtype) -> Engine:
     return run
 
 
-def llamacpp_engine(gguf: Path, threads: int) -> Engine | None:
+def llamacpp_engine(gguf: Path, threads: int, n_ctx: int = 1024) -> Engine | None:
     try:
         from llama_cpp import Llama
     except (ImportError, OSError):
         return None
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, verbose=False)
 
     def run(ids: list[int], n: int) -> Iterable[int]:
         llm.reset()  # no prompt reuse between runs

@@ -234,6 +234,9 @@ class StaticKVCache:
         self.v = [torch.zeros((batch_size, v_heads, max_len, v_width), dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.max_len = max_len
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # the first free slot
+        # One row without windows: a step attends over the filled slots alone through the kernel's operator, which
+        # a compiled graph calls too (`attend_one`); otherwise over every slot, the unfilled ones masked.
+        self.traceable = batch_size == 1 and config.windows == [None]
 
     @property
     def length(self) -> int:
@@ -262,15 +265,32 @@ class StaticKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the whole buffers (B, Hkv, L, D), or
         for a prompt from slot 0 its T slots (B, Hkv, T, D)."""
+        end = k.shape[2] if self.write(layer, k, v) == 0 else self.max_len  # as prompt_from_start()
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int | None:
+        """Write k, v (B, Hkv, T, D) at slots pos..pos+T-1; return the slots filled before (None in a compiled
+        step, which its caller checks)."""
         T = k.shape[2]
-        filled = None if torch.compiler.is_compiling() else self.length  # a compiled step is checked by its caller
+        filled = None if torch.compiler.is_compiling() else self.length
         if filled is not None and filled + T > self.max_len:
             raise DecoderLMError(f"KV cache holds {self.max_len} tokens; this step needs {filled + T}")
         slots = self.pos + torch.arange(T, device=self.pos.device)  # (T,)
         self.k[layer].index_copy_(2, slots, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(2, slots, v.to(self.v[layer].dtype))
-        end = T if filled == 0 else self.max_len  # as prompt_from_start()
-        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
+        return filled
+
+    def attend_one(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+        """A decode step's attention on decoderlm's kernel (`Attention.one_query_kernel`): k, v (1, Hkv, 1, D)
+        written at `pos`, then q (1, H, 1, D) over the pos + 1 filled slots → (1, H, 1, D); with windows or several
+        rows, over every slot with the mask. The kernel's sums, as every other cache's, in eager and compiled steps."""
+        if not self.traceable:
+            return kernels.attend_one(q, *self.update(layer, k, v), mask, scale)  # (B, Hkv, L, D) each
+        self.write(layer, k, v)
+        pool_k, pool_v = (t[layer][0].transpose(0, 1) for t in (self.k, self.v))  # (L, Hkv, D): one block of L slots
+        table = torch.zeros((1, 1), dtype=torch.long, device=q.device)  # made in the graph: a package holds no tensor of its own
+        return torch.ops.decoderlm.attend_paged(q, pool_k, pool_v, table, (self.pos + 1).view(1), scale, self.max_len)
 
     def advance(self, n: int) -> None:
         self.pos.add_(n)

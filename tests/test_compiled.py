@@ -55,6 +55,22 @@ def test_a_prompt_into_an_empty_static_cache_attends_over_its_own_slots():
     assert cache.update(0, k[:, :, :1], k[:, :, :1])[0].shape[2] == 16
 
 
+def test_a_step_attends_over_the_filled_slots_alone():
+    """A decode step on a static cache without windows reads the pos + 1 filled slots only (the kernel's operator,
+    which the compiled step calls too): spare slots full of NaN change nothing. With a window it reads every slot
+    under the mask, as before; the hypothesis test above checks both against the plain cache."""
+    model = tiny_model()
+    static, plain = StaticKVCache(model.config, 1, 32), KVCache(model.config, 1, 32)
+    assert static.traceable and not StaticKVCache(model.config, 2, 32).traceable
+    ids = torch.tensor([[5, 17, 3, 8]])
+    with torch.no_grad():
+        prefill(model, ids, static), prefill(model, ids, plain)
+        for layer in range(model.config.n_layers):
+            static.k[layer][:, :, 4:] = float("nan")
+            static.v[layer][:, :, 4:] = float("nan")
+        torch.testing.assert_close(decode_step(model, torch.tensor([9]), static), decode_step(model, torch.tensor([9]), plain), atol=1e-5, rtol=1e-5)
+
+
 def test_static_cache_refuses_to_overflow():
     model = tiny_model()
     cache = StaticKVCache(model.config, 1, 4)
@@ -142,6 +158,7 @@ def test_block_layers_compile_with_their_kernels(tmp_path, monkeypatch, capsys, 
     assert "unavailable" not in capsys.readouterr().err
     wrapper = next(tmp_path.rglob("*.pt2"))
     assert b"decoderlm.block_matmul" in wrapper.read_bytes()  # the package calls the kernel, not a float copy of the weights
+    assert b"decoderlm.attend_paged" in wrapper.read_bytes()  # and attends over the filled slots on the kernel
 
 
 def test_quantized_experts_decode_eagerly_with_one_note(tmp_path, monkeypatch, capsys):

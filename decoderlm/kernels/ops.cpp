@@ -90,13 +90,14 @@ Tensor block_dequantize(Tensor q, Tensor d, std::optional<Tensor> m) {
 
 // A decode step's attention over a paged pool (attention.c): q (B, H, 1, D) over row b's first lens[b] keys,
 // key l in slot table[b, l / block_size] · block_size + l % block_size of k, v (slots, Hkv, D), fp32 or fp16 → (B, H, 1, Dv).
+// The pools' rows need only be contiguous: a static cache's (Hkv, L, D) buffer seen as (L, Hkv, D) is one block of L slots.
 Tensor attend_paged(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lens, double scale, int64_t block_size) {
   STD_TORCH_CHECK(level >= 0, "decoderlm's kernels were loaded without a level (kernels.library() sets it)");
   STD_TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.stride(3) == 1 && q.scalar_type() == ScalarType::Float,
                   "attend_paged: q (B, H, 1, D) fp32, its last dimension contiguous");
   const bool half = k.scalar_type() == ScalarType::Half;
-  STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type() &&
-                  (half || k.scalar_type() == ScalarType::Float), "attend_paged: pools k, v (slots, Hkv, D) both fp32 or both fp16, contiguous");
+  STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() == v.scalar_type() &&
+                  (half || k.scalar_type() == ScalarType::Float), "attend_paged: pools k, v (slots, Hkv, D) both fp32 or both fp16, rows contiguous");
   STD_TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == ScalarType::Long && lens.is_contiguous() &&
                   lens.scalar_type() == ScalarType::Long && table.size(0) == q.size(0) && lens.numel() == q.size(0),
                   "attend_paged: table (B, W) and lens (B,) int64");
