@@ -11,7 +11,9 @@ At run time the library computes with the model's own weights and cache buffers,
 user-managed constants (no copy). Only a model on torch's int4 kernel has its weights in the package too,
 for the constants inductor derives from them (int4 weights repacked); that is why the key includes them.
 One package serves every position (the position is a tensor input); it is built per cache size,
-rounded up to a power of two (`bucket`), because attention reads all the slots of its static buffers. Eager decoding stays the reference and the fallback: if
+rounded up to a power of two (`bucket`), because its buffers' shapes are fixed. Its attention reads only the
+filled slots, through the kernel's operator (`StaticKVCache.attend_one`; with windows, every slot under a
+mask). Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
 
 Where no package exists yet, `generate` and `chat` decode eagerly and start `decoderlm compile` for the

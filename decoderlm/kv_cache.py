@@ -219,7 +219,8 @@ def cache_for(config: ModelConfig, batch_size: int, max_len: int, dtype: torch.d
 
 class StaticKVCache:
     """A cache whose shapes never change, for a compiled decode step: fixed (B, Hkv, max_len, D) buffers,
-    written by index at a position tensor, and a mask over all max_len slots built from positions.
+    written by index at a position tensor, and a mask over all max_len slots built from positions (a one-row
+    step without windows attends over the filled slots alone instead: `attend_one`).
 
     `KVCache` slices its buffers to the filled length, so every step has new shapes and a compiled
     graph would be rebuilt per position. Here the next free slot is a tensor (`pos`), not a Python int:
