@@ -43,7 +43,8 @@ def test_static_cache_matches_kv_cache_step_by_step(cfg, prompt_len, steps, seed
 def test_a_prompt_into_an_empty_static_cache_attends_over_its_own_slots():
     """From slot 0 an eager prompt needs no mask over the cache's spare slots: SDPA's causal attention over its
     T keys (4x fewer scores at 512 of 1,024 slots, the masked half skipped); with a window, a (T, T) mask.
-    Later forwards (a step) see every slot, as the compiled step does. Equal values: the hypothesis test above."""
+    Later forwards get every slot from `update` (a one-row step then reads only the filled ones: the next test).
+    Equal values: the hypothesis test above."""
     model = tiny_model()
     cache, (B, T) = StaticKVCache(model.config, 1, 16), (1, 5)
     k = torch.randn(B, model.config.n_kv_heads, T, model.config.head_dim)

@@ -938,7 +938,7 @@ void CAT(GLUE(KIND, XBITS, _matmul), NAME)(const float *x, int64_t M, int64_t K,
             for (int64_t g = 0; g < groups; g++) transpose_scales(xs, M, P, g, dxT, sxT);                 \
             /* this thread's tiles in spans whose weights stay in L2, each span's rows in passes */       \
             const int64_t T = tiles + 1, nt = omp_get_num_threads(), id = omp_get_thread_num();          \
-            const int64_t passes = (M + pass_rows(P) - 1) / pass_rows(P), span = span_tiles(BYTES_##KIND(K) + SCALES_##KIND(K)); \
+            const int64_t cap = pass_rows(P), passes = (M + cap - 1) / cap, span = span_tiles(BYTES_##KIND(K) + SCALES_##KIND(K)); \
             const int64_t each = ((M + passes - 1) / passes + RG - 1) / RG * RG;  /* even passes: 16 = 8 + 8, not 14 + 2 */ \
             for (int64_t c = T * id / nt, end = T * (id + 1) / nt; c < end; c += span) {                  \
                 const int64_t ce = c + span < end ? c + span : end;                                       \
