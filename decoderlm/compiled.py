@@ -17,7 +17,7 @@ mask). Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
 
 Where no package exists yet, `generate` and `chat` decode eagerly and start `decoderlm compile` for the
-same model in a background process (nice 19), so later runs find the package; `--compile` builds it
+same model in a background process at the lowest priority (`lowest_priority`), so later runs find the package; `--compile` builds it
 in the foreground instead, `--no-compile` never uses one, DECODERLM_BACKGROUND_COMPILE=off builds none.
 """
 
@@ -152,10 +152,25 @@ def build_later(path: Path, flags: list[str], what: str) -> None:
     command = [sys.executable, "-m", "decoderlm", "compile", *flags, "--threads", str(torch.get_num_threads())]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=lambda: os.nice(19))
+                                   start_new_session=True, preexec_fn=lowest_priority)
     path.with_suffix(".building").write_text(str(process.pid))
     print(f"decoding eagerly; building {what} in the background (once for this model and machine; log: {log})",
           file=sys.stderr, flush=True)
+
+
+def lowest_priority() -> None:
+    """Run in a background build's process before it starts: nice 19 for the process and for its session's
+    group. Linux schedules each session as a group (autogroup, on in most distributions' kernels) against the
+    others, whatever its processes' nice values, so a build with its own session at nice 19 alone took half
+    the CPU from the run that started it; the OpenMP threads of that run then waited on each other, and a
+    128-token `generate` took 58-64 s instead of ~6 (docs/performance.md). Where there are no autogroups (or
+    the kernel refuses), the process's nice value is what counts."""
+    os.nice(19)
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write("19")
+    except OSError:
+        pass
 
 
 class DecodeStep(nn.Module):
