@@ -17,8 +17,9 @@ mask). Eager decoding stays the reference and the fallback: if
 building or loading fails, `decode_step` is used and one line on stderr says why.
 
 Where no package exists yet, `generate` and `chat` decode eagerly and start `decoderlm compile` for the
-same model in a background process at the lowest priority (`lowest_priority`), so later runs find the package; `--compile` builds it
-in the foreground instead, `--no-compile` never uses one, DECODERLM_BACKGROUND_COMPILE=off builds none.
+same model in a background process at the lowest priority (`lowest_priority`), so later runs find the
+package; `--compile` builds it in the foreground instead, `--no-compile` never uses one,
+DECODERLM_BACKGROUND_COMPILE=off builds none.
 """
 
 from __future__ import annotations
